@@ -1,0 +1,110 @@
+"""Command line: `python run.py --prompt "..."` streams a chat answer from the embedded model (or --model), printing
+load/compile time, prefill and decode speed to stderr. Flags are named as llama.cpp and vLLM users expect. Every bad
+input ends in a one-line `error: ...` and exit status 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from .errors import LuceboxError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="run.py", description="lucebox_jax: int4 LLM inference on JAX/XLA")
+    p.add_argument("--prompt", "-p", help="prompt text (chat template applied unless --raw)")
+    p.add_argument("--model", "-m", help="a .gguf file or a converted checkpoint folder (default: embedded "
+                                        "SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--system", help="system message for the chat template")
+    p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
+    p.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")
+    p.add_argument("--temperature", "--temp", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    p.add_argument("--kernels", default=None, help="op=name,... e.g. qmatmul=xla,attention_decode=pallas")
+    p.add_argument("--kernels-module", default=None, help="import this module first (it registers kernels)")
+    p.add_argument("--list-kernels", action="store_true", help="print the registered kernels and exit")
+    p.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
+    p.add_argument("--output-format", choices=("text", "json"), default="text")
+    p.add_argument("--no-checkpoint", action="store_true", help="read the GGUF directly, never convert it")
+    p.add_argument("--verbose", "-v", action="store_true")
+    return p
+
+
+def _params(args):
+    from .sampling import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                          top_p=args.top_p, min_p=args.min_p, repetition_penalty=args.repeat_penalty,
+                          seed=args.seed, stop=args.stop)
+
+
+def _list_kernels() -> str:
+    from . import ops
+
+    return "\n".join(f"{op}: {', '.join(ops.available(op))} (default here: {ops.default_name(op)})" for op in ops.OPS)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s: %(message)s")
+    try:
+        return _run(args)
+    except LuceboxError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _run(args) -> int:
+    from . import ops
+    from .errors import EmptyPromptError
+
+    if args.kernels_module:
+        ops.import_kernel_module(args.kernels_module)
+    if args.list_kernels:
+        print(_list_kernels())
+        return 0
+    if args.prompt is None:
+        raise EmptyPromptError("no prompt: pass --prompt TEXT")
+    if not args.prompt.strip():
+        raise EmptyPromptError("empty prompt: pass a non-empty --prompt")
+    params = _params(args)  # validate before the (slow) model load
+    from .llm import LLM
+
+    llm = LLM(args.model, kernels=args.kernels, max_context=args.max_context, use_checkpoint=not args.no_checkpoint)
+    prompt = args.prompt
+    if not args.raw and llm.tokenizer.chat_template:
+        msgs = ([{"role": "system", "content": args.system}] if args.system else [])
+        msgs.append({"role": "user", "content": args.prompt})
+        prompt = llm.tokenizer.apply_chat_template(msgs, add_generation_prompt=True)
+    text_out = args.output_format == "text"
+    for piece in llm.stream(prompt, params):
+        if text_out:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    s = llm.last_stats
+    if text_out:
+        sys.stdout.write("\n")
+    else:
+        print(json.dumps({
+            "text": s["text"], "token_ids": s["token_ids"], "finish_reason": s["finish_reason"],
+            "usage": {"prompt_tokens": s["prompt_tokens"], "completion_tokens": s["completion_tokens"],
+                      "total_tokens": s["prompt_tokens"] + s["completion_tokens"]},
+            "timings": {k: round(s[k], 4) for k in ("compile_seconds", "prefill_seconds", "decode_seconds",
+                                                     "prefill_tok_s", "decode_tok_s")},
+        }, ensure_ascii=False))
+    print(f"[{llm.source}; kernels {llm.kernels.describe()}]\n"
+          f"load {llm.load_seconds:.2f} s | compile {s['compile_seconds']:.2f} s | "
+          f"prefill {s['prompt_tokens']} tok at {s['prefill_tok_s']:.1f} tok/s | "
+          f"decode {s['completion_tokens']} tok at {s['decode_tok_s']:.1f} tok/s | finish: {s['finish_reason']}",
+          file=sys.stderr)
+    return 0

@@ -1,0 +1,238 @@
+"""The compiled phases of generation, one small function each (gpt-fast style), and the `Engine` that runs them.
+
+- `prefill_step`: a chunk of prompt tokens [B, T] (T padded to a bucket) into the cache; logits of each row's last
+  valid token (or of every position, for prompt logprobs).
+- `decode_step`: one token per row, cache donated, sampling on device.
+- `generate_loop`: `lax.while_loop` of decode steps over a fixed-shape state (done mask, token buffer, rng): a whole
+  completion in one device program, no host round trip per token.
+
+Static shapes keep recompiles bounded: prompt chunks are padded to `PREFILL_BUCKETS`, the cache length and the
+token buffer to powers of two. Compiled programs are memoised per shape and JAX's persistent compilation cache keeps
+them across runs (`enable_compilation_cache`).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .config import ModelConfig
+from .model import KVCache, Weights, forward, init_cache
+from .ops import KernelSet
+from .sampling import RowParams, sample, top_logprobs
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+PREFILL_CHUNK = PREFILL_BUCKETS[-1]
+MIN_CACHE = 256
+
+
+def bucket(n: int, buckets=PREFILL_BUCKETS) -> int:
+    for b in buckets:
+        if n <= b:
+            return b
+    return buckets[-1]
+
+
+def pow2_at_least(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, int(n) - 1).bit_length())
+
+
+def enable_compilation_cache(path: str | None = None) -> str:
+    """Turn on JAX's persistent compilation cache so a second run does not compile again."""
+    path = path or os.environ.get("LUCEBOX_JAX_CACHE") or os.path.join(
+        os.path.expanduser("~"), ".cache", "lucebox_jax", "jax_cache")
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+@struct.dataclass
+class StepOut:
+    tokens: jax.Array  # [B] sampled next tokens
+    logprob: jax.Array  # [B] raw logprob of the sampled token
+    top_ids: jax.Array  # [B, k]
+    top_vals: jax.Array  # [B, k]
+
+
+def _sample_out(logits, rp, positions, seen, n_logprobs):
+    tok = sample(logits, rp, positions, seen)
+    lp, ids, vals = top_logprobs(logits, n_logprobs)
+    chosen = jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+    return StepOut(tok, chosen, ids, vals)
+
+
+def _mark_seen(seen, tok):
+    return seen.at[jnp.arange(tok.shape[0]), tok].set(True)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "all_logits"), donate_argnames=("cache",))
+def prefill_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: KVCache, tokens, start, n_valid,
+                 all_logits: bool = False):
+    """Write tokens [B, T] at positions start[b]..; rows advance by n_valid[b]. Returns (logits, cache):
+    [B, V] at each row's last valid token (all_logits=False) or [B, T, V]."""
+    last = jnp.clip(n_valid - 1, 0, tokens.shape[1] - 1)
+    logits, cache = forward(cfg, kernels, weights, cache, tokens, start, last_only=None if all_logits else last)
+    return logits, cache.replace(lengths=start + n_valid)
+
+
+@functools.partial(jax.jit, static_argnames=("n_logprobs",), donate_argnames=("seen",))
+def sample_first(logits, rp: RowParams, positions, seen, n_logprobs: int = 0):
+    """Sample the first completion token from prefill logits [B, V]."""
+    out = _sample_out(logits, rp, positions, seen, n_logprobs)
+    return out, _mark_seen(seen, out.tokens)
+
+
+def _decode(cfg, kernels, weights, cache, tokens, rp, seen, n_logprobs):
+    pos = cache.lengths
+    logits, cache = forward(cfg, kernels, weights, cache, tokens[:, None], pos, last_only=jnp.zeros_like(pos))
+    cache = cache.replace(lengths=pos + 1)
+    out = _sample_out(logits, rp, pos + 1, seen, n_logprobs)
+    return cache, out, _mark_seen(seen, out.tokens)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "n_logprobs"), donate_argnames=("cache", "seen"))
+def decode_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: KVCache, tokens, rp: RowParams,
+                seen, n_logprobs: int = 0):
+    """Feed tokens [B] (each row's newest token, at position cache.lengths) and sample the next one."""
+    return _decode(cfg, kernels, weights, cache, tokens, rp, seen, n_logprobs)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_new", "n_logprobs"),
+                   donate_argnames=("cache", "seen"))
+def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: KVCache, first: StepOut,
+                  rp: RowParams, seen, stop_ids, row_max, max_new: int, n_logprobs: int = 0):
+    """Decode until every row hit a stop id or its own max token count (row_max [B] <= max_new), on device.
+
+    first: the token sampled from the prefill. Returns (tokens [B, max_new] padded with -1, n_generated [B],
+    StepOut of buffers [B, max_new, ...], cache)."""
+    b = first.tokens.shape[0]
+    k = n_logprobs
+
+    def put(buf, i, val):
+        return jax.lax.dynamic_update_index_in_dim(buf, val, i, axis=1)
+
+    def is_stop(tok):
+        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+
+    bufs = StepOut(
+        tokens=put(jnp.full((b, max_new), -1, jnp.int32), 0, first.tokens),
+        logprob=put(jnp.zeros((b, max_new), jnp.float32), 0, first.logprob),
+        top_ids=put(jnp.zeros((b, max_new, k), jnp.int32), 0, first.top_ids),
+        top_vals=put(jnp.zeros((b, max_new, k), jnp.float32), 0, first.top_vals),
+    )
+    done = is_stop(first.tokens) | (row_max <= 1)
+    count = jnp.ones((b,), jnp.int32)
+
+    def cond(state):
+        i, _, _, _, done, _, _ = state
+        return (i < max_new) & ~jnp.all(done)
+
+    def body(state):
+        i, cache, tok, seen, done, count, bufs = state
+        cache, out, seen = _decode(cfg, kernels, weights, cache, tok, rp, seen, k)
+        tok_w = jnp.where(done, -1, out.tokens)
+        bufs = StepOut(put(bufs.tokens, i, tok_w), put(bufs.logprob, i, out.logprob),
+                       put(bufs.top_ids, i, out.top_ids), put(bufs.top_vals, i, out.top_vals))
+        count = count + (~done).astype(jnp.int32)
+        done = done | is_stop(out.tokens) | (count >= row_max)
+        return i + 1, cache, out.tokens, seen, done, count, bufs
+
+    state = (jnp.int32(1), cache, first.tokens, seen, done, count, bufs)
+    _, cache, _, _, _, count, bufs = jax.lax.while_loop(cond, body, state)
+    return bufs, count, cache
+
+
+class Engine:
+    """Weights + config + kernel choice, and the array-level operations the API builds on."""
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, kernels: KernelSet):
+        self.cfg = cfg
+        self.weights = weights
+        self.kernels = kernels
+        self.compile_seconds = 0.0
+        self._seen_shapes: set = set()
+
+    def _timed_first(self, key, fn, *args, **kw):
+        """Call fn; the first call for a shape `key` (which compiles) counts as compile time, not run time."""
+        if key in self._seen_shapes:
+            return fn(*args, **kw)
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        jax.block_until_ready(out)
+        self.compile_seconds += time.perf_counter() - t0
+        self._seen_shapes.add(key)
+        return out
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        return init_cache(self.cfg, batch, max_len)
+
+    def cache_len_for(self, needed: int) -> int:
+        return min(pow2_at_least(needed, MIN_CACHE), pow2_at_least(self.cfg.max_context, MIN_CACHE))
+
+    def prefill(self, cache: KVCache, prompts: list[list[int]], all_logits: bool = False):
+        """Prefill right-padded prompts (one per cache row) in chunks of at most PREFILL_CHUNK tokens.
+
+        Returns (last_logits [B, V] device array, all_logits list of [len_b, V] numpy arrays or None, cache)."""
+        b = len(prompts)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        total = int(lens.max())
+        last = None
+        per_pos = [[] for _ in range(b)] if all_logits else None
+        off = 0
+        while off < total:
+            t = bucket(min(PREFILL_CHUNK, total - off))
+            toks = np.zeros((b, t), np.int32)
+            for r, p in enumerate(prompts):
+                seg = p[off: off + t]
+                toks[r, : len(seg)] = seg
+            n_valid = np.clip(lens - off, 0, t).astype(np.int32)
+            start = np.minimum(lens, off).astype(np.int32)  # finished rows re-write their (masked) tail
+            start = np.where(n_valid > 0, off, start).astype(np.int32)
+            key = ("prefill", b, t, cache.max_len, all_logits)
+            logits, cache = self._timed_first(key, prefill_step, self.cfg, self.kernels, self.weights, cache,
+                                              jnp.asarray(toks), jnp.asarray(start), jnp.asarray(n_valid),
+                                              all_logits=all_logits)
+            if all_logits:
+                lg = np.asarray(logits)
+                for r in range(b):
+                    per_pos[r].append(lg[r, : n_valid[r]])
+                rows_last = jnp.asarray(lg[np.arange(b), np.clip(n_valid - 1, 0, t - 1)])
+            else:
+                rows_last = logits
+            ends_here = jnp.asarray((n_valid > 0) & (lens <= off + t))[:, None]
+            last = rows_last if last is None else jnp.where(ends_here, rows_last, last)
+            off += t
+        cache = cache.replace(lengths=jnp.asarray(lens))
+        if all_logits:
+            per_pos = [np.concatenate(x, axis=0) for x in per_pos]
+        return last, per_pos, cache
+
+    def new_seen(self, prompts: list[list[int]]):
+        seen = np.zeros((len(prompts), self.cfg.vocab_size), bool)
+        for r, p in enumerate(prompts):
+            seen[r, np.asarray(p, np.int64)] = True
+        return jnp.asarray(seen)
+
+    def first_token(self, logits, rp: RowParams, lengths, seen, n_logprobs: int = 0):
+        key = ("first", logits.shape[0], n_logprobs)
+        return self._timed_first(key, sample_first, logits, rp, jnp.asarray(lengths), seen, n_logprobs=n_logprobs)
+
+    def decode(self, cache, tokens, rp, seen, n_logprobs: int = 0):
+        key = ("decode", cache.batch, cache.max_len, n_logprobs)
+        return self._timed_first(key, decode_step, self.cfg, self.kernels, self.weights, cache, tokens, rp, seen,
+                                 n_logprobs=n_logprobs)
+
+    def loop(self, cache, first: StepOut, rp, seen, stop_ids, row_max, n_logprobs: int = 0):
+        max_new = pow2_at_least(int(np.max(row_max)), 16)
+        stop = jnp.asarray(np.asarray(sorted(stop_ids) or [-2], np.int32))
+        key = ("loop", cache.batch, cache.max_len, max_new, n_logprobs, stop.shape[0])
+        return self._timed_first(key, generate_loop, self.cfg, self.kernels, self.weights, cache, first, rp, seen,
+                                 stop, jnp.asarray(row_max, jnp.int32), max_new=max_new, n_logprobs=n_logprobs)

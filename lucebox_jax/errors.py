@@ -1,0 +1,36 @@
+"""Typed exceptions of the public API. The CLI turns each into a one-line message and a non-zero exit."""
+
+
+class LuceboxError(Exception):
+    """Base class of every error this package raises on bad input."""
+
+
+class ModelNotFoundError(LuceboxError, FileNotFoundError):
+    """The model file or checkpoint folder does not exist or cannot be read."""
+
+
+class UnsupportedModelError(LuceboxError, ValueError):
+    """The model's architecture or a tensor type is not supported."""
+
+
+class CheckpointError(LuceboxError):
+    """A converted checkpoint is stale, corrupt or of another format version."""
+
+
+class PromptTooLongError(LuceboxError, ValueError):
+    """A prompt does not fit in the model's context."""
+
+
+class EmptyPromptError(LuceboxError, ValueError):
+    """A prompt with no tokens."""
+
+
+class InvalidSamplingParamsError(LuceboxError, ValueError):
+    """A sampling parameter outside its valid range."""
+
+
+class UnknownKernelError(LuceboxError, KeyError):
+    """A kernel or op name that is not registered."""
+
+    def __str__(self):  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""

@@ -1,0 +1,59 @@
+"""Registers the Pallas GPU kernels of `pallas_kernels/` under the name `pallas`.
+
+On the CPU they run in Pallas interpret mode (slow; for tests); the CPU default stays `xla`.  `default_on=("gpu",)`
+is set only for ops where the H200 measurement (benchmarks/RESULTS.md, "Kernels (issue 3)") shows the Pallas kernel
+beating XLA.  Shapes a kernel does not handle (non-power-of-two head dim or group size) fall back to the XLA
+implementation.  A failing Pallas import logs a warning and registers nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+
+from . import kernels_xla, ops
+
+log = logging.getLogger(__name__)
+
+# which ops make `pallas` the GPU default (from the H200 measurement)
+_GPU_DEFAULT = {"qmatmul": True, "attention_decode": True, "attention_prefill": False}
+
+try:
+    from pallas_kernels.attention_decode import attention_decode_pallas
+    from pallas_kernels.attention_prefill import attention_prefill_pallas
+    from pallas_kernels.int4_matmul import qmatmul_pallas
+except Exception as e:  # noqa: BLE001 - any import failure must not break the package
+    log.warning("Pallas kernels unavailable (%s: %s); only the xla kernels are registered", type(e).__name__, e)
+else:
+
+    def _interpret() -> bool:
+        return jax.default_backend() == "cpu"
+
+    def _pow2(v: int) -> bool:
+        return v > 0 and v & (v - 1) == 0
+
+    def _on(op: str) -> tuple[str, ...]:
+        return ("gpu",) if _GPU_DEFAULT[op] else ()
+
+    @ops.register("qmatmul", "pallas", default_on=_on("qmatmul"))
+    def qmatmul_pallas_op(x, w):
+        k = x.shape[-1]
+        if not _pow2(w.group_size) or (k // 2) % w.group_size:
+            return kernels_xla.qmatmul_xla(x, w)
+        if x.shape[0] > 16 and not _interpret():
+            # prefill-sized M: dequantize + XLA dot measured faster than the Pallas GEMM tiles on the H200
+            return kernels_xla.qmatmul_xla(x, w)
+        return qmatmul_pallas(x, w, interpret=_interpret())
+
+    @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
+    def attention_decode_pallas_op(q, k, v, lengths, *, scale):
+        if not _pow2(q.shape[-1]):
+            return kernels_xla.attention_decode_xla(q, k, v, lengths, scale=scale)
+        return attention_decode_pallas(q, k, v, lengths, scale=scale, interpret=_interpret())
+
+    @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
+    def attention_prefill_pallas_op(q, k, v, start, *, scale):
+        if not _pow2(q.shape[-1]):
+            return kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale)
+        return attention_prefill_pallas(q, k, v, start, scale=scale, interpret=_interpret())

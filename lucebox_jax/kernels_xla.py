@@ -1,0 +1,44 @@
+"""Plain-XLA implementations of every op, registered as `xla`: the CPU default and the reference the Pallas kernels
+are tested against. Math in float32, outputs in the input dtype."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import ops
+from .quant import QuantArray, dequantize
+
+_NEG = -1e30
+
+
+@ops.register("qmatmul", "xla", default_on=("cpu",))
+def qmatmul_xla(x: jax.Array, w: QuantArray) -> jax.Array:
+    """Dequantize then one dot (XLA fuses the dequant into the dot's operand)."""
+    wd = dequantize(w, x.dtype)
+    return jnp.dot(x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _gqa_scores(q, k, scale):
+    # q [B, T, Hkv, G, D], k [B, Hkv, S, D] -> [B, Hkv, G, T, S]
+    return jnp.einsum("btkgd,bksd->bkgts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+
+
+@ops.register("attention_prefill", "xla", default_on=("cpu",))
+def attention_prefill_xla(q, k, v, start, *, scale):
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d)
+    scores = _gqa_scores(qg, k, scale)
+    qpos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    mask = jnp.arange(s)[None, None, :] <= qpos[:, :, None]  # [B, T, S]
+    scores = jnp.where(mask[:, None, None], scores, _NEG)
+    p = jax.nn.softmax(scores, axis=-1)
+    o = jnp.einsum("bkgts,bksd->btkgd", p, v.astype(jnp.float32))
+    return o.reshape(b, t, hq, d).astype(q.dtype)
+
+
+@ops.register("attention_decode", "xla", default_on=("cpu",))
+def attention_decode_xla(q, k, v, lengths, *, scale):
+    out = attention_prefill_xla(q[:, None], k, v, lengths - 1, scale=scale)
+    return out[:, 0]

@@ -1,0 +1,160 @@
+"""The transformer (RMSNorm, RoPE, GQA attention, SwiGLU MLP) as pure functions over pytree weights and a static KV
+cache. Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm) share this one forward; every linear layer goes through
+`quant.linear`, and attention through the kernel registry, so the model never branches on quantization or kernel.
+
+Layers are a tuple of per-layer weights unrolled inside one jit: on the H200 a `lax.scan` over stacked layer weights
+ran 3-4x slower for decode GEMVs."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from . import ops
+from .config import ModelConfig
+from .ops import KernelSet
+from .quant import linear
+
+
+@struct.dataclass
+class EmbedTable:
+    """Token embeddings by row: dense [V, D], or int8 codes [V, D] with float16 scales [V, D // g] (GGUF Q8_0)."""
+
+    table: jax.Array
+    scales: jax.Array | None = None
+    group_size: int = struct.field(pytree_node=False, default=32)
+
+    def lookup(self, ids: jax.Array, dtype) -> jax.Array:
+        rows = self.table[ids].astype(jnp.float32)
+        if self.scales is not None:
+            rows = rows * jnp.repeat(self.scales[ids].astype(jnp.float32), self.group_size, axis=-1)
+        return rows.astype(dtype)
+
+
+@struct.dataclass
+class LayerWeights:
+    attn_norm: jax.Array  # [D]
+    wqkv: object  # [D, (Hq + 2 Hkv) * hd]: q, k, v fused into one matmul
+    wo: object  # [Hq * hd, D]
+    ffn_norm: jax.Array  # [D]
+    w_gate_up: object  # [D, 2 F]: gate and up fused
+    w_down: object  # [F, D]
+    bqkv: jax.Array | None = None  # Qwen2
+    q_norm: jax.Array | None = None  # Qwen3, [hd]
+    k_norm: jax.Array | None = None
+
+
+@struct.dataclass
+class Weights:
+    embed: EmbedTable
+    layers: tuple
+    final_norm: jax.Array
+    head: object  # [D, V]
+
+
+@struct.dataclass
+class KVCache:
+    """Static-shape cache: k, v per layer [B, Hkv, S, D]; `lengths` [B] = valid positions per row.
+
+    Positions at or past a row's length hold stale data that attention masks by position, so rejected speculative
+    tokens need no rollback: the length is simply not advanced."""
+
+    k: tuple
+    v: tuple
+    lengths: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
+    shape = (batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+    dt = jnp.dtype(cfg.dtype)
+    return KVCache(
+        k=tuple(jnp.zeros(shape, dt) for _ in range(cfg.n_layers)),
+        v=tuple(jnp.zeros(shape, dt) for _ in range(cfg.n_layers)),
+        lengths=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope(x, positions, theta, interleaved):
+    """x [B, T, H, hd], positions [B, T]. interleaved: rotate pairs (2i, 2i+1) (GGUF llama); else (i, i + hd/2)."""
+    hd = x.shape[-1]
+    inv = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))  # [hd/2]
+    ang = positions.astype(jnp.float32)[:, :, None, None] * inv  # [B, T, 1, hd/2]
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    xf = x.astype(jnp.float32)
+    if interleaved:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+    else:
+        x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
+        out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+    return out.astype(x.dtype)
+
+
+def _write_kv(cache_l, new, start):
+    """cache_l [B, Hkv, S, hd] <- new [B, T, Hkv, hd] at positions start[b] .. start[b] + T - 1 of each row."""
+    new = new.transpose(0, 2, 1, 3).astype(cache_l.dtype)
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_l, new, start)
+
+
+def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None):
+    """Run `tokens` [B, T] at absolute positions start[b] + t; write their K/V into the cache.
+
+    Returns (logits, cache). `cache.lengths` is left unchanged: the caller decides how far each row advances.
+    last_only: None for logits at every position [B, T, V]; else an index array [B] -> logits [B, V] of that position.
+    """
+    b, t = tokens.shape
+    dt = jnp.dtype(cfg.dtype)
+    hd, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
+    scale = 1.0 / math.sqrt(hd)
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    x = w.embed.lookup(tokens, dt)
+    new_k, new_v = [], []
+    decode = t == 1
+    attn = ops.get("attention_decode" if decode else "attention_prefill",
+                   kernels.attention_decode if decode else kernels.attention_prefill)
+    for i, lw in enumerate(w.layers):
+        h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
+        qkv = linear(h, lw.wqkv, lw.bqkv, kernels=kernels)
+        q = qkv[..., : cfg.q_dim].reshape(b, t, hq, hd)
+        k = qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(b, t, hkv, hd)
+        v = qkv[..., cfg.q_dim + cfg.kv_dim :].reshape(b, t, hkv, hd)
+        if lw.q_norm is not None:
+            q = rms_norm(q, lw.q_norm, cfg.rms_eps)
+            k = rms_norm(k, lw.k_norm, cfg.rms_eps)
+        q = rope(q, positions, cfg.rope_theta, cfg.rope_interleaved)
+        k = rope(k, positions, cfg.rope_theta, cfg.rope_interleaved)
+        kc = _write_kv(cache.k[i], k, start)
+        vc = _write_kv(cache.v[i], v, start)
+        new_k.append(kc)
+        new_v.append(vc)
+        if decode:
+            o = attn(q[:, 0], kc, vc, start + 1, scale=scale)[:, None]
+        else:
+            o = attn(q, kc, vc, start, scale=scale)
+        x = x + linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
+        h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
+        gu = linear(h, lw.w_gate_up, kernels=kernels)
+        act = jax.nn.silu(gu[..., : cfg.ffn_dim].astype(jnp.float32)) * gu[..., cfg.ffn_dim :].astype(jnp.float32)
+        x = x + linear(act.astype(dt), lw.w_down, kernels=kernels)
+    if last_only is not None:
+        x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
+    x = rms_norm(x, w.final_norm, cfg.rms_eps)
+    logits = linear(x, w.head, kernels=kernels).astype(jnp.float32)
+    return logits, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)

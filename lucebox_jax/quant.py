@@ -1,0 +1,190 @@
+"""Quantized weight pytrees (int4, int8) and the one matmul dispatch point every linear layer uses.
+
+The model calls `linear(x, w)` whatever `w` is (int4 `QuantArray`, int8 `Int8Array` or a plain array), so it never
+branches on quantization. The int4 layout is the contract the GPU kernels implement; `pallas_kernels/README.md`
+documents it:
+
+  codes  uint8 [K // 2, N]   two 4-bit codes per byte, "half-split": the low nibble of byte (i, n) is the code of
+                             row i, the high nibble the code of row i + K // 2 (so a kernel unpacks a byte tile into
+                             two contiguous row tiles, no interleave)
+  scales float16 [K // g, N] one scale per group of g consecutive rows (along K, the reduction axis)
+  mins   float16 [K // g, N] or None
+  value  = scales * q + mins      (asymmetric, e.g. GGUF Q4_1: exact)
+  value  = scales * (q - 8)       (symmetric, mins is None, e.g. GGUF Q4_0: exact)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+
+@struct.dataclass
+class QuantArray:
+    """An int4 [K, N] weight with per-group scales (and optional mins) along K."""
+
+    codes: jax.Array  # uint8 [K // 2, N]
+    scales: jax.Array  # float16 [K // g, N]
+    mins: jax.Array | None  # float16 [K // g, N] or None (symmetric)
+    group_size: int = struct.field(pytree_node=False, default=32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0] * 2, self.codes.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        n = self.codes.size + self.scales.size * 2
+        return n + (self.mins.size * 2 if self.mins is not None else 0)
+
+
+@struct.dataclass
+class Int8Array:
+    """An int8 [K, N] weight with per-group float16 scales along K (GGUF Q8_0: value = scale * q, exact)."""
+
+    codes: jax.Array  # int8 [K, N]
+    scales: jax.Array  # float16 [K // g, N]
+    group_size: int = struct.field(pytree_node=False, default=32)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.size + self.scales.size * 2
+
+
+def unpack_int4(codes):
+    """uint8 [K//2, N] -> integer codes [K, N] in 0..15 (same array library as the input)."""
+    xp = jnp if isinstance(codes, jax.Array) else np
+    lo = codes & 0xF
+    hi = codes >> 4
+    return xp.concatenate([lo, hi], axis=0)
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    """Integer codes [K, N] in 0..15 -> half-split packed uint8 [K//2, N]."""
+    q = np.asarray(q, np.uint8)
+    k = q.shape[0]
+    if k % 2:
+        raise ValueError(f"int4 packing needs an even number of rows, got {k}")
+    return (q[: k // 2] | (q[k // 2 :] << 4)).astype(np.uint8)
+
+
+def dequantize(w, dtype=jnp.float32):
+    """Any weight -> dense [K, N] array of `dtype` (reference semantics of the formats above)."""
+    if isinstance(w, QuantArray):
+        q = unpack_int4(w.codes).astype(jnp.float32)
+        k, n = q.shape
+        s = jnp.repeat(w.scales.astype(jnp.float32), w.group_size, axis=0)
+        if w.mins is None:
+            return (s * (q - 8.0)).astype(dtype)
+        return (s * q + jnp.repeat(w.mins.astype(jnp.float32), w.group_size, axis=0)).astype(dtype)
+    if isinstance(w, Int8Array):
+        s = jnp.repeat(w.scales.astype(jnp.float32), w.group_size, axis=0)
+        return (w.codes.astype(jnp.float32) * s).astype(dtype)
+    return jnp.asarray(w, dtype)
+
+
+def dequantize_np(w) -> np.ndarray:
+    """NumPy twin of `dequantize` for host-side checks (float32)."""
+    if isinstance(w, QuantArray):
+        q = unpack_int4(np.asarray(w.codes)).astype(np.float32)
+        s = np.repeat(np.asarray(w.scales, np.float32), w.group_size, axis=0)
+        if w.mins is None:
+            return s * (q - 8.0)
+        return s * q + np.repeat(np.asarray(w.mins, np.float32), w.group_size, axis=0)
+    if isinstance(w, Int8Array):
+        s = np.repeat(np.asarray(w.scales, np.float32), w.group_size, axis=0)
+        return np.asarray(w.codes, np.float32) * s
+    return np.asarray(w, np.float32)
+
+
+def quantize_int4(w: np.ndarray, group_size: int = 128, symmetric: bool = False) -> QuantArray:
+    """Round-to-nearest int4 quantization of a dense [K, N] float weight, groups of `group_size` rows along K."""
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    if k % group_size or k % 2:
+        raise ValueError(f"int4 quantization needs K ({k}) divisible by the group size ({group_size}) and by 2")
+    g = w.reshape(k // group_size, group_size, n)
+    if symmetric:
+        amax = np.abs(g).max(axis=1)
+        scale = (amax / 7.0).astype(np.float16)
+        sf = np.where(scale == 0, 1.0, scale.astype(np.float32))
+        q = np.clip(np.rint(g / sf[:, None, :]) + 8, 0, 15)
+        mins = None
+    else:
+        lo, hi = g.min(axis=1), g.max(axis=1)
+        scale = ((hi - lo) / 15.0).astype(np.float16)
+        mins = lo.astype(np.float16)
+        sf = np.where(scale == 0, 1.0, scale.astype(np.float32))
+        q = np.clip(np.rint((g - mins.astype(np.float32)[:, None, :]) / sf[:, None, :]), 0, 15)
+    codes = pack_int4(q.reshape(k, n))
+    return QuantArray(
+        codes=jnp.asarray(codes),
+        scales=jnp.asarray(scale),
+        mins=None if mins is None else jnp.asarray(mins),
+        group_size=group_size,
+    )
+
+
+def quantize_int8(w: np.ndarray, group_size: int = 32) -> Int8Array:
+    """Symmetric int8 quantization of a dense [K, N] weight, groups along K."""
+    w = np.asarray(w, np.float32)
+    k, n = w.shape
+    g = w.reshape(k // group_size, group_size, n)
+    scale = (np.abs(g).max(axis=1) / 127.0).astype(np.float16)
+    sf = np.where(scale == 0, 1.0, scale.astype(np.float32))
+    q = np.clip(np.rint(g / sf[:, None, :]), -127, 127).astype(np.int8)
+    return Int8Array(codes=jnp.asarray(q.reshape(k, n)), scales=jnp.asarray(scale), group_size=group_size)
+
+
+def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
+    """The one matmul dispatch point: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
+
+    int4 weights go through the registered `qmatmul` kernel chosen by `kernels` (a `KernelSet`); int8 and dense
+    weights through XLA.
+    """
+    from . import ops
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, QuantArray):
+        fn = ops.get("qmatmul", kernels.qmatmul if kernels is not None else None)
+        y = fn(x2, w)
+    elif isinstance(w, Int8Array):
+        y = jnp.dot(x2, dequantize(w, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    else:
+        y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    y = y.reshape(*lead, y.shape[-1])
+    if bias is not None:
+        y = y + bias.astype(y.dtype)
+    return y
+
+
+def weight_nbytes(tree) -> int:
+    """Bytes of every weight leaf in a pytree (what one decode step must read)."""
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=lambda t: isinstance(t, (QuantArray, Int8Array))):
+        if isinstance(leaf, (QuantArray, Int8Array)):
+            total += leaf.nbytes
+        elif hasattr(leaf, "nbytes"):
+            total += leaf.nbytes
+    return total
+
+
+__all__ = [
+    "QuantArray",
+    "Int8Array",
+    "pack_int4",
+    "unpack_int4",
+    "dequantize",
+    "dequantize_np",
+    "quantize_int4",
+    "quantize_int8",
+    "linear",
+    "weight_nbytes",
+]

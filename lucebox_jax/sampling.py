@@ -1,0 +1,183 @@
+"""Sampling on device with per-row parameters: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeds.
+
+Every row carries its own parameters, so one batch can mix requests. A row's random draw at a position depends only
+on (its seed, the position): the same seed gives the same output whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .errors import InvalidSamplingParamsError
+
+_NEG = -1e30
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """vLLM-style sampling parameters of one request (validated on construction)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self):
+        def bad(msg):
+            raise InvalidSamplingParamsError(msg)
+
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _num(self.temperature) or self.temperature < 0:
+            bad(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
+        if self.top_k == -1:
+            self.top_k = 0
+        if not _num(self.top_p) or not 0 < self.top_p <= 1:
+            bad(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _num(self.min_p) or not 0 <= self.min_p <= 1:
+            bad(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 0):
+                bad(f"{name} must be an integer >= 0, got {v!r}")
+        if self.n != 1:
+            bad("n > 1 is not supported; send the prompt several times with different seeds")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+@struct.dataclass
+class RowParams:
+    """SamplingParams of each row as arrays [B] (a pytree, so it enters jit as data, not as a static)."""
+
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    rep_penalty: jax.Array
+    keys: jax.Array  # [B, 2] uint32 raw PRNG keys
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], default_seed: int = 0) -> "RowParams":
+        seeds = [p.seed if p.seed is not None else default_seed + i for i, p in enumerate(params)]
+        return cls(
+            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
+            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
+            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
+            min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
+            rep_penalty=jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
+            keys=jnp.stack([jax.random.key_data(jax.random.key(s & 0xFFFFFFFF)) for s in seeds]),
+        )
+
+
+def apply_repetition_penalty(logits, seen, penalty):
+    """HF/llama.cpp rule on tokens already seen: positive logits divided by the penalty, negative multiplied."""
+    p = penalty[:, None]
+    pen = jnp.where(logits > 0, logits / p, logits * p)
+    return jnp.where(seen, pen, logits)
+
+
+def filter_logits(logits, temperature, top_k, top_p, min_p):
+    """Temperature, then top-k, top-p and min-p masks (each row its own values) -> masked scaled logits [B, V]."""
+    t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    x = logits / t
+    v = x.shape[-1]
+    srt = -jnp.sort(-x, axis=-1)  # descending
+    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
+    x = jnp.where(x >= kth, x, _NEG)
+    # top-p over the top-k-filtered distribution: keep the smallest prefix whose mass reaches p
+    srt = jnp.where(jnp.arange(v)[None, :] < k[:, None], srt, _NEG)
+    probs = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+    keep_sorted = before < top_p[:, None]
+    cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x >= cutoff, x, _NEG)
+    # min-p: drop tokens whose probability is below min_p times the top probability
+    thresh = srt[:, :1] + jnp.log(jnp.maximum(min_p[:, None], 1e-38))  # p_i >= min_p * p_max in logit space
+    x = jnp.where((min_p[:, None] > 0) & (x < thresh), _NEG, x)
+    return x
+
+
+def row_keys(keys, positions):
+    """Per-row PRNG keys for a draw at absolute `positions` [B]."""
+    return jax.vmap(lambda k, p: jax.random.fold_in(jax.random.wrap_key_data(k), p))(keys, positions)
+
+
+def sample(logits, rp: RowParams, positions, seen=None):
+    """Next token per row [B] from logits [B, V] (float32). `positions` [B] seed the draw; `seen` [B, V] bool."""
+    if seen is not None:
+        logits = apply_repetition_penalty(logits, seen, rp.rep_penalty)
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic(_):
+        x = filter_logits(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p)
+        keys = row_keys(rp.keys, positions)
+        g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+        tok = jnp.argmax(x + g, axis=-1).astype(jnp.int32)
+        return jnp.where(rp.temperature > 0, tok, greedy_tok)
+
+    # all-greedy batches skip the sort entirely
+    return jax.lax.cond(jnp.any(rp.temperature > 0), stochastic, lambda _: greedy_tok, None)
+
+
+def top_logprobs(logits, k: int):
+    """Log-softmax of the raw logits and its top-k (vLLM's raw logprobs). Returns (logprobs [B, V], ids, vals)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    if k > 0:
+        vals, ids = jax.lax.top_k(lp, k)
+    else:
+        vals = jnp.zeros(lp.shape[:-1] + (0,), jnp.float32)
+        ids = jnp.zeros(lp.shape[:-1] + (0,), jnp.int32)
+    return lp, ids.astype(jnp.int32), vals
+
+
+def np_filter_reference(logits, temperature, top_k, top_p, min_p):
+    """Plain NumPy twin of `filter_logits` for one row (tests): the set of allowed token ids."""
+    x = np.asarray(logits, np.float64) / (temperature if temperature > 0 else 1.0)
+    order = np.argsort(-x, kind="stable")
+    allowed = np.ones_like(x, bool)
+    if 0 < top_k < len(x):
+        allowed[:] = False
+        allowed[order[:top_k]] = True
+    p = np.exp(x - x.max()) * allowed
+    p /= p.sum()
+    if top_p < 1:
+        ps = p[order]
+        before = np.cumsum(ps) - ps
+        keep = np.zeros_like(allowed)
+        keep[order[before < top_p]] = True
+        allowed &= keep
+    if min_p > 0:
+        allowed &= p >= min_p * p.max()
+    return allowed

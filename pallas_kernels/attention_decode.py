@@ -1,0 +1,160 @@
+"""Flash-decoding over the static KV cache (Pallas-Triton).
+
+    out[b, h] = softmax(scale * q[b, h] . k[b, h // G, :L_b]) @ v[b, h // G, :L_b],   L_b = lengths[b]
+
+Grid (B, Hkv, n_split).  A program takes all G = Hq / Hkv query heads of one kv head as one [block_h, D] tile
+(block_h = the next power of two >= G, at least 16 because the tensor-core dot needs 16 rows; the padding rows are
+masked loads of q, never read from or written to memory), and one contiguous chunk of the sequence.  It streams its
+chunk of K and V once, in [block_k, D] tiles, with an online softmax in float32 (exp2 with log2(e) folded into the
+scale), and stops at the row's length: kv tiles past `lengths[b]` are never read.  With n_split > 1 each program
+writes an unnormalised partial (acc, running max, running sum) and a small jnp combine merges the splits; with
+n_split == 1 the kernel normalises and writes the output itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["attention_decode", "attention_decode_reference", "attention_decode_pallas"]
+
+_LOG2E = 1.4426950408889634
+_NEG = -1e30
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, int(v) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _kernel(len_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, seq, qk_scale, n_split):
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    length = jnp.minimum(len_ref[b], seq)
+    start = sp * chunk
+    end = jnp.minimum(start + chunk, length)
+    n_blocks = jnp.maximum(end - start + bk - 1, 0) // bk
+    rows = jnp.arange(bh)
+    rmask = rows < g
+    d = q_ref.shape[-1]
+    q = plgpu.load(q_ref.at[b, h, pl.ds(0, bh), :], mask=rmask[:, None], other=0)
+    q = (q.astype(jnp.float32) * qk_scale).astype(k_ref.dtype)
+
+    def body(i, carry):
+        acc, m_i, l_i = carry
+        k0 = pl.multiple_of(start + i * bk, bk)
+        kpos = k0 + jnp.arange(bk)
+        kmask = kpos < end
+        k = plgpu.load(k_ref.at[b, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [bh, bk], log2 units
+        s = jnp.where(kmask[None, :], s, _NEG)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        v = plgpu.load(v_ref.at[b, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc, m_new, l_new
+
+    init = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), _NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
+    acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, init)
+    if n_split == 1:
+        (o_ref,) = out_refs
+        out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
+        plgpu.store(o_ref.at[b, h, pl.ds(0, bh), :], out.astype(o_ref.dtype), mask=rmask[:, None])
+    else:
+        o_ref, m_ref, l_ref = out_refs
+        plgpu.store(o_ref.at[b, h, sp, pl.ds(0, bh), :], acc, mask=rmask[:, None])
+        plgpu.store(m_ref.at[b, h, sp, pl.ds(0, bh)], m_i, mask=rmask)
+        plgpu.store(l_ref.at[b, h, sp, pl.ds(0, bh)], l_i, mask=rmask)
+
+
+def default_config(b: int, hkv: int, s: int, d: int) -> dict:
+    return dict(block_k=64, n_split=None, num_warps=4, num_stages=3)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs"),
+)
+def attention_decode(
+    q, k, v, lengths, *, scale: float, block_k: int = 64, n_split: int | None = None, num_warps: int = 4,
+    num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
+):
+    """q [B, Hq, D], k/v [B, Hkv, S, D], lengths [B] int32 -> [B, Hq, D] (q.dtype)."""
+    bsz, hq, d = q.shape
+    _, hkv, seq, _ = k.shape
+    g = hq // hkv
+    assert g * hkv == hq and d & (d - 1) == 0, (q.shape, k.shape)
+    bh = max(16, _next_pow2(g))
+    bk = min(block_k, max(16, _next_pow2(seq)))
+    max_split = _cdiv(seq, bk)
+    if n_split is None:
+        n_split = 1
+        while bsz * hkv * n_split < min_programs and n_split * 2 <= max_split:
+            n_split *= 2
+    n_split = max(1, min(n_split, max_split))
+    chunk = _cdiv(_cdiv(seq, n_split), bk) * bk
+    n_split = _cdiv(seq, chunk)
+    qg = q.reshape(bsz, hkv, g, d)
+    lengths = lengths.astype(jnp.int32)
+    kern = functools.partial(
+        _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split
+    )
+    if n_split == 1:
+        out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
+    else:
+        out_shape = [
+            jax.ShapeDtypeStruct((bsz, hkv, n_split, g, d), jnp.float32),
+            jax.ShapeDtypeStruct((bsz, hkv, n_split, g), jnp.float32),
+            jax.ShapeDtypeStruct((bsz, hkv, n_split, g), jnp.float32),
+        ]
+    outs = pl.pallas_call(
+        kern,
+        out_shape=out_shape,
+        grid=(bsz, hkv, n_split),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="attention_decode",
+    )(lengths, qg, k, v)
+    if n_split == 1:
+        return outs[0].reshape(bsz, hq, d)
+    o, m, l = outs
+    m_max = jnp.max(m, axis=2, keepdims=True)
+    w = jnp.exp2(m - m_max)  # [B, Hkv, ns, G]
+    l_tot = jnp.sum(w * l, axis=2)
+    o_tot = jnp.sum(w[..., None] * o, axis=2)
+    out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
+    return out.reshape(bsz, hq, d).astype(q.dtype)
+
+
+def attention_decode_reference(q, k, v, lengths, *, scale: float):
+    """Plain jnp, float32: row b attends to cache positions < lengths[b]."""
+    bsz, hq, d = q.shape
+    hkv, seq = k.shape[1], k.shape[2]
+    qg = q.reshape(bsz, hkv, hq // hkv, d).astype(jnp.float32)
+    s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
+    mask = jnp.arange(seq)[None, :] < lengths[:, None]
+    s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("bkgs,bksd->bkgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    return o.reshape(bsz, hq, d).astype(q.dtype)
+
+
+def attention_decode_pallas(q, k, v, lengths, *, scale, interpret: bool | None = None, **overrides):
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1])
+    cfg.update(overrides)
+    return attention_decode(q, k, v, lengths, scale=float(scale), interpret=interpret, **cfg)
+
+
+del math

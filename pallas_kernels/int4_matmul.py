@@ -1,0 +1,291 @@
+"""W4A16 int4 matmul over `lucebox_jax.quant.QuantArray` (Pallas-Triton), on the documented layout directly.
+
+    y [M, N] = x [M, K] @ W [K, N],  W[k, n] = scales[k // g, n] * q[k, n] + mins[k // g, n]   (asymmetric)
+                                     W[k, n] = scales[k // g, n] * (q[k, n] - 8)                (symmetric)
+
+`codes` is uint8 [K/2, N], half-split (low nibble of byte (i, n): row i; high nibble: row i + K/2; see README.md).
+
+One kernel, grid (N / block_n, split_k, M / block_m).  A program owns `block_n` columns and a contiguous range of
+byte-row tiles of `block_k` rows (block_k divides g, so each tile lies inside one group of the low half and one group
+of the high half).  Per tile it loads one [block_k, block_n] uint8 tile (both halves of K in one load: packed bytes,
+16-byte vector accesses along N), the two scale rows (and min rows), unpacks the tile into two weight tiles and
+accumulates `x_lo @ W_lo + x_hi @ W_hi` in float32.  Split-K partials (float32 [split_k, M, N]) are summed by XLA.
+
+Weight decode ("dequant") variants, `decode=`:
+  * "f32":  nibble -> float32 by a bit trick (0x3F800000 | q << 19 == 1 + q/16, no int->float convert),
+            W = 16 s * f + (m - 16 s)  (sym: 16 s * f - 24 s) in float32, then cast to x.dtype.
+  * "asm":  (GPU, bf16 x only) PTX inline asm: one 32-bit word of 4 packed bytes -> 8 bf16 weights with
+            prmt / lop3 (bf16 magic 0x4300 | q == 128 + q), an exact bf16x2 subtract, and one bf16x2 fma/mul
+            with the scale (and min): about 2 instructions per weight instead of about 4.
+Accumulation variants, `mode=`:
+  * "dot":  block_m rows of x (padded to >= 16) times the decoded tile on the tensor cores (any M).
+  * "fma":  M == 1 only: elementwise x[k] * W[k, n] into a [block_k, block_n] float32 accumulator, one reduction at
+            the end (no tensor cores, no layout conversion).
+In interpret mode (CPU) "asm" is replaced by the plain-jnp decode (same function up to bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+__all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "qmatmul_pallas"]
+
+
+def _pow2_floor(v: int) -> int:
+    return 1 << (max(1, int(v)).bit_length() - 1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# weight decode
+# ---------------------------------------------------------------------------------------------------------------
+
+_F32_ONE = 0x3F800000
+
+
+def _decode_f32(c, s_lo, s_hi, m_lo, m_hi):
+    """uint8 tile [bk, bn] + per-column scale/min rows [bn] (float32) -> (W_lo, W_hi) float32 [bk, bn]."""
+    c32 = c.astype(jnp.uint32)
+    f_lo = lax.bitcast_convert_type(((c32 << 19) & 0x00780000) | _F32_ONE, jnp.float32)  # 1 + q_lo / 16
+    f_hi = lax.bitcast_convert_type(((c32 << 15) & 0x00780000) | _F32_ONE, jnp.float32)  # 1 + q_hi / 16
+    a_lo, a_hi = 16.0 * s_lo, 16.0 * s_hi
+    if m_lo is None:  # s * (q - 8) = 16 s f - 24 s
+        b_lo, b_hi = -24.0 * s_lo, -24.0 * s_hi
+    else:  # s * q + m = 16 s f + (m - 16 s)
+        b_lo, b_hi = m_lo - a_lo, m_hi - a_hi
+    return f_lo * a_lo[None, :] + b_lo[None, :], f_hi * a_hi[None, :] + b_hi[None, :]
+
+
+# One 32-bit register holds 4 packed code bytes (4 consecutive elements of the tile); each output holds 4 bf16 in
+# two registers.  t0 = (b0, b1) and t1 = (b2, b3) as 16-bit lanes; low nibble -> (t & 0x000F000F) | 0x43004300 =
+# bf16 128 + q, high nibble -> ((t >> 4) & ...) | ...; subtracting 128 (136 for symmetric) is exact in bf16.
+_ASM_HEAD = """{
+.reg .b32 t0, t1, a0, a1, b0, b1, k0;
+prmt.b32 t0, $4, 0, 0x4140;
+prmt.b32 t1, $4, 0, 0x4342;
+lop3.b32 a0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 a1, t1, 0x000F000F, 0x43004300, 0xEA;
+shr.b32 t0, t0, 4;
+shr.b32 t1, t1, 4;
+lop3.b32 b0, t0, 0x000F000F, 0x43004300, 0xEA;
+lop3.b32 b1, t1, 0x000F000F, 0x43004300, 0xEA;
+"""
+_ASM_ASYM = (
+    _ASM_HEAD
+    + """mov.b32 k0, 0x43004300;
+sub.rn.bf16x2 a0, a0, k0;
+sub.rn.bf16x2 a1, a1, k0;
+sub.rn.bf16x2 b0, b0, k0;
+sub.rn.bf16x2 b1, b1, k0;
+fma.rn.bf16x2 $0, a0, $5, $9;
+fma.rn.bf16x2 $1, a1, $6, $10;
+fma.rn.bf16x2 $2, b0, $7, $11;
+fma.rn.bf16x2 $3, b1, $8, $12;
+}"""
+)
+_ASM_SYM = (
+    _ASM_HEAD
+    + """mov.b32 k0, 0x43084308;
+sub.rn.bf16x2 a0, a0, k0;
+sub.rn.bf16x2 a1, a1, k0;
+sub.rn.bf16x2 b0, b0, k0;
+sub.rn.bf16x2 b1, b1, k0;
+mul.rn.bf16x2 $0, a0, $5;
+mul.rn.bf16x2 $1, a1, $6;
+mul.rn.bf16x2 $2, b0, $7;
+mul.rn.bf16x2 $3, b1, $8;
+}"""
+)
+
+
+def _decode_asm(c, s_lo, s_hi, m_lo, m_hi):
+    """GPU-only decode to bf16 through PTX inline asm (see _ASM_*); scales/mins rows are float32 [bn]."""
+    shape = c.shape
+    bc = lambda v: jnp.broadcast_to(v.astype(jnp.bfloat16)[None, :], shape)  # noqa: E731
+    args = [c, bc(s_lo), bc(s_hi)]
+    if m_lo is None:
+        asm, cons = _ASM_SYM, "=r,=r,=r,=r,r,r,r,r,r"
+    else:
+        asm, cons = _ASM_ASYM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r"
+        args += [bc(m_lo), bc(m_hi)]
+    out = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
+    w_lo, w_hi = plgpu.elementwise_inline_asm(asm, args=args, constraints=cons, pack=4, result_shape_dtypes=[out, out])
+    return w_lo, w_hi
+
+
+def _decode_asm_emulated(c, s_lo, s_hi, m_lo, m_hi):
+    """What _decode_asm computes, in jnp (interpret mode): bf16 scale/min, one bf16 rounding of q*s+m."""
+    q_lo = (c & 0xF).astype(jnp.float32)
+    q_hi = (c >> 4).astype(jnp.float32)
+    r = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)[None, :]  # noqa: E731
+    if m_lo is None:
+        return ((q_lo - 8.0) * r(s_lo)).astype(jnp.bfloat16), ((q_hi - 8.0) * r(s_hi)).astype(jnp.bfloat16)
+    return (q_lo * r(s_lo) + r(m_lo)).astype(jnp.bfloat16), (q_hi * r(s_hi) + r(m_hi)).astype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# kernel
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode, decode, has_mins, out_partial):
+    if has_mins:
+        x_ref, c_ref, s_ref, m_ref, o_ref = refs
+    else:
+        x_ref, c_ref, s_ref, o_ref = refs
+        m_ref = None
+    pid_n, pid_k, pid_m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    n0 = pid_n * bn
+    cols = n0 + jnp.arange(bn)
+    cmask = cols < n_cols
+    nh = k_half // g  # groups in the low half
+    t0 = pid_k * tiles_per_split
+    t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
+    m0 = pid_m * bm
+    cdt = jnp.bfloat16 if decode == "asm" else x_ref.dtype
+
+    def load_row(ref, row):
+        return plgpu.load(ref.at[row, pl.ds(n0, bn)], mask=cmask, other=0).astype(jnp.float32)
+
+    def body(t, acc):
+        r0 = pl.multiple_of(t * bk, bk)
+        j = r0 // g
+        c = plgpu.load(c_ref.at[pl.ds(r0, bk), pl.ds(n0, bn)], mask=cmask[None, :], other=0)
+        s_lo, s_hi = load_row(s_ref, j), load_row(s_ref, j + nh)
+        m_lo = m_hi = None
+        if m_ref is not None:
+            m_lo, m_hi = load_row(m_ref, j), load_row(m_ref, j + nh)
+        if decode == "asm":
+            w_lo, w_hi = _decode_asm(c, s_lo, s_hi, m_lo, m_hi)
+        elif decode == "asm_emulated":
+            w_lo, w_hi = _decode_asm_emulated(c, s_lo, s_hi, m_lo, m_hi)
+        else:
+            w_lo, w_hi = _decode_f32(c, s_lo, s_hi, m_lo, m_hi)
+        if mode == "fma":
+            x_lo = x_ref[0, pl.ds(r0, bk)].astype(jnp.float32)
+            x_hi = x_ref[0, pl.ds(k_half + r0, bk)].astype(jnp.float32)
+            w_lo, w_hi = w_lo.astype(jnp.float32), w_hi.astype(jnp.float32)
+            return acc + x_lo[:, None] * w_lo + x_hi[:, None] * w_hi
+        x_lo = x_ref[pl.ds(m0, bm), pl.ds(r0, bk)].astype(cdt)
+        x_hi = x_ref[pl.ds(m0, bm), pl.ds(k_half + r0, bk)].astype(cdt)
+        acc = acc + jnp.dot(x_lo, w_lo.astype(cdt), preferred_element_type=jnp.float32)
+        return acc + jnp.dot(x_hi, w_hi.astype(cdt), preferred_element_type=jnp.float32)
+
+    if mode == "fma":
+        acc = lax.fori_loop(t0, t1, body, jnp.zeros((bk, bn), jnp.float32))
+        res = jnp.sum(acc, axis=0)[None, :]
+    else:
+        res = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), jnp.float32))
+    if out_partial:
+        plgpu.store(o_ref.at[pid_k, pl.ds(m0, bm), pl.ds(n0, bn)], res, mask=cmask[None, :])
+    else:
+        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], res.astype(o_ref.dtype), mask=cmask[None, :])
+
+
+def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, on_gpu: bool = True) -> dict:
+    """Tuning knobs picked from the H200 sweep (benchmarks/RESULTS.md, "Kernels (issue 3)")."""
+    cfg = dict(block_n=128, block_k=min(32, group_size), split_k=None, num_warps=4, num_stages=4, mode="dot")
+    cfg["decode"] = "asm" if (on_gpu and jnp.dtype(dtype) == jnp.bfloat16) else "f32"
+    if m > 16:
+        cfg.update(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    return cfg
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "group_size", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "mode", "decode",
+        "interpret", "min_programs",
+    ),
+)
+def int4_matmul(
+    x, codes, scales, mins=None, *, group_size: int, block_m: int | None = None, block_n: int = 128,
+    block_k: int = 32, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, mode: str = "dot",
+    decode: str = "f32", interpret: bool = False, min_programs: int = 528,
+):
+    """x [M, K] @ int4 W (codes uint8 [K/2, N], scales/mins float16 [K/g, N]) -> [M, N] in x.dtype.
+
+    block_k: byte rows per loop step (a power of two dividing group_size); split_k: K splits (None: enough
+    programs to fill the chip, `min_programs` of them); decode: "f32" | "asm" (GPU, bf16) ; mode: "dot" | "fma"."""
+    m, k = x.shape
+    k_half, n = codes.shape
+    g = group_size
+    assert k == 2 * k_half, (x.shape, codes.shape)
+    assert k_half % g == 0 and g % block_k == 0, (k_half, g, block_k)
+    if decode == "asm" and (interpret or x.dtype != jnp.bfloat16):
+        decode = "asm_emulated" if x.dtype == jnp.bfloat16 else "f32"
+    if mode == "fma" and m != 1:
+        mode = "dot"
+    if mode == "fma":
+        bm = 1
+    else:
+        bm = block_m or 16
+        bm = max(16, min(bm, 1 << max(4, (m - 1).bit_length())))
+    mp = _cdiv(m, bm) * bm
+    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
+    bn = block_n
+    n_blocks = _cdiv(n, bn)
+    m_blocks = mp // bm
+    n_tiles = k_half // block_k
+    if split_k is None:
+        split_k = 1
+        while n_blocks * m_blocks * split_k < min_programs and split_k * 2 <= n_tiles // 2:
+            split_k *= 2
+    split_k = max(1, min(split_k, n_tiles))
+    tiles_per_split = _cdiv(n_tiles, split_k)
+    split_k = _cdiv(n_tiles, tiles_per_split)
+    out_partial = split_k > 1
+    kern = functools.partial(
+        _kernel, k_half=k_half, g=g, bm=bm, bn=bn, bk=block_k, n_cols=n, tiles_per_split=tiles_per_split,
+        n_tiles=n_tiles, mode=mode, decode=decode, has_mins=mins is not None, out_partial=out_partial,
+    )
+    out_shape = (
+        jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32) if out_partial else jax.ShapeDtypeStruct((mp, n), x.dtype)
+    )
+    args = [xp, codes, scales] + ([mins] if mins is not None else [])
+    out = pl.pallas_call(
+        kern,
+        out_shape=out_shape,
+        grid=(n_blocks, split_k, m_blocks),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="int4_matmul",
+    )(*args)
+    if out_partial:
+        out = jnp.sum(out, axis=0)
+    return out[:m].astype(x.dtype)
+
+
+def int4_matmul_reference(x, codes, scales, mins=None, *, group_size: int):
+    """Plain jnp: dequantize to float32, one float32 dot, result in x.dtype."""
+    lo = (codes & 0xF).astype(jnp.float32)
+    hi = (codes >> 4).astype(jnp.float32)
+    q = jnp.concatenate([lo, hi], axis=0)
+    s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)
+    w = s * (q - 8.0) if mins is None else s * q + jnp.repeat(mins.astype(jnp.float32), group_size, axis=0)
+    y = jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST)
+    return y.astype(x.dtype)
+
+
+def qmatmul_pallas(x, w, *, interpret: bool | None = None, **overrides):
+    """Registry-shaped entry point: x [M, K] @ QuantArray -> [M, N] (x.dtype)."""
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    m, k = x.shape
+    n = w.codes.shape[1]
+    g = w.group_size
+    cfg = default_config(m, k, n, g, x.dtype, on_gpu=not interpret)
+    cfg.update(overrides)
+    if g & (g - 1) or (k // 2) % g:
+        raise ValueError(f"int4_matmul needs a power-of-two group size dividing K/2 (g={g}, K={k})")
+    cfg["block_k"] = min(cfg["block_k"], g)
+    return int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=interpret, **cfg)

@@ -1,0 +1,47 @@
+"""Shared fixtures: the embedded model loaded once per session, tiny GGUF models written to a temp folder, and the
+`gpu` marker's skip rule."""
+
+import os
+import sys
+
+import jax
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("LUCEBOX_JAX_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+
+from gguf_factory import write_tiny_gguf  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if jax.default_backend() != "gpu":
+        skip = pytest.mark.skip(reason="needs a GPU")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smol():
+    """The embedded SmolLM2-135M-Instruct, loaded once."""
+    from lucebox_jax import LLM
+
+    return LLM()
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
+    write_tiny_gguf(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llm(tiny_gguf, tmp_path_factory):
+    from lucebox_jax import LLM
+
+    os.environ["LUCEBOX_CHECKPOINTS"] = str(tmp_path_factory.mktemp("ckpt"))
+    try:
+        return LLM(tiny_gguf)
+    finally:
+        del os.environ["LUCEBOX_CHECKPOINTS"]

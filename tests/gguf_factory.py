@@ -1,0 +1,103 @@
+"""Writes tiny random GGUF models with the `gguf` library: a byte-level GPT-2-style tokenizer (256 byte tokens + a
+few ChatML specials, no merges), a chat template, and tensors of whatever GGUF types a test asks for. Used to test
+the importer (every type, every architecture) and to run the engine end to end on a mock model."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def byte_tokens() -> list[str]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, (chr(c) for c in cs)))
+    return [table[b] for b in range(256)]
+
+
+def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None, tied: bool = True, seed: int = 0,
+                    dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv: int = 2, ffn: int = 128,
+                    default_type: str = "Q4_1", emb_type: str = "Q8_0") -> dict:
+    """Write a tiny model; `types` maps a tensor-name suffix (e.g. "attn_q") to a GGUF type name.
+    Returns {tensor name: float32 array [out, in] as written (before quantization)}."""
+    rng = np.random.default_rng(seed)
+    types = types or {}
+    tokens = byte_tokens() + SPECIALS
+    vocab = len(tokens)
+    hd = dim // n_heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(n_layers)
+    w.add_context_length(256)
+    w.add_embedding_length(dim)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(n_heads)
+    w.add_head_count_kv(n_kv)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * 256 + [3] * len(SPECIALS))
+    w.add_token_merges([])
+    w.add_bos_token_id(256)
+    w.add_eos_token_id(256 + SPECIALS.index("<|im_end|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+    written = {}
+
+    def add(name, shape_out_in, kind):
+        arr = (rng.standard_normal(shape_out_in) * (shape_out_in[-1] ** -0.5)).astype(np.float32)
+        qt = T[kind]
+        if kind == "F32":
+            w.add_tensor(name, arr)
+        elif kind == "F16":
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            q = gguf.quants.quantize(arr, qt)
+            w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qt)
+        written[name] = gguf.quants.dequantize(gguf.quants.quantize(arr, qt), qt) if kind not in ("F32",) else arr
+
+    def norm(name, n):
+        arr = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        w.add_tensor(name, arr)
+        written[name] = arr
+
+    add("token_embd.weight", (vocab, dim), emb_type)
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        norm(p + "attn_norm.weight", dim)
+        norm(p + "ffn_norm.weight", dim)
+        for n, shape in (("attn_q", (n_heads * hd, dim)), ("attn_k", (n_kv * hd, dim)), ("attn_v", (n_kv * hd, dim)),
+                         ("attn_output", (dim, n_heads * hd)), ("ffn_gate", (ffn, dim)), ("ffn_up", (ffn, dim)),
+                         ("ffn_down", (dim, ffn))):
+            add(p + n + ".weight", shape, types.get(n, default_type))
+        if arch == "qwen2":
+            for n, size in (("attn_q", n_heads * hd), ("attn_k", n_kv * hd), ("attn_v", n_kv * hd)):
+                arr = (0.1 * rng.standard_normal(size)).astype(np.float32)
+                w.add_tensor(p + n + ".bias", arr)
+                written[p + n + ".bias"] = arr
+        if arch == "qwen3":
+            norm(p + "attn_q_norm.weight", hd)
+            norm(p + "attn_k_norm.weight", hd)
+    norm("output_norm.weight", dim)
+    if not tied:
+        add("output.weight", (vocab, dim), types.get("output", default_type))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return written
