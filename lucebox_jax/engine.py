@@ -83,7 +83,7 @@ def prefill_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: 
     return logits, cache.replace(lengths=start + n_valid)
 
 
-@functools.partial(jax.jit, static_argnames=("n_logprobs",), donate_argnames=("seen",))
+@functools.partial(jax.jit, static_argnames=("n_logprobs",))
 def sample_first(logits, rp: RowParams, positions, seen, n_logprobs: int = 0):
     """Sample the first completion token from prefill logits [B, V]."""
     out = _sample_out(logits, rp, positions, seen, n_logprobs)

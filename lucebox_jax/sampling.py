@@ -96,8 +96,13 @@ class RowParams:
             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
             min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
             rep_penalty=jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
-            keys=jnp.stack([jax.random.key_data(jax.random.key(s & 0xFFFFFFFF)) for s in seeds]),
+            keys=_keys_from_seeds(jnp.asarray([s & 0x7FFFFFFF for s in seeds], jnp.int32)),
         )
+
+
+@jax.jit
+def _keys_from_seeds(seeds):
+    return jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(seeds)
 
 
 def apply_repetition_penalty(logits, seen, penalty):
@@ -120,7 +125,7 @@ def filter_logits(logits, temperature, top_k, top_p, min_p):
     srt = jnp.where(jnp.arange(v)[None, :] < k[:, None], srt, _NEG)
     probs = jax.nn.softmax(srt, axis=-1)
     before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-    keep_sorted = before < top_p[:, None]
+    keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
     cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
     x = jnp.where(x >= cutoff, x, _NEG)
     # min-p: drop tokens whose probability is below min_p times the top probability

@@ -53,7 +53,7 @@ _F32_ONE = 0x3F800000
 
 
 def _decode_f32(c, s_lo, s_hi, m_lo, m_hi):
-    """uint8 tile [bk, bn] + per-column scale/min rows [bn] (float32) -> (W_lo, W_hi) float32 [bk, bn]."""
+    """uint8 tile [bk, bn] + scales/mins (float32, [1, bn] or [bk, bn]) -> (W_lo, W_hi) float32 [bk, bn]."""
     c32 = c.astype(jnp.uint32)
     f_lo = lax.bitcast_convert_type(((c32 << 19) & 0x00780000) | _F32_ONE, jnp.float32)  # 1 + q_lo / 16
     f_hi = lax.bitcast_convert_type(((c32 << 15) & 0x00780000) | _F32_ONE, jnp.float32)  # 1 + q_hi / 16
@@ -62,71 +62,56 @@ def _decode_f32(c, s_lo, s_hi, m_lo, m_hi):
         b_lo, b_hi = -24.0 * s_lo, -24.0 * s_hi
     else:  # s * q + m = 16 s f + (m - 16 s)
         b_lo, b_hi = m_lo - a_lo, m_hi - a_hi
-    return f_lo * a_lo[None, :] + b_lo[None, :], f_hi * a_hi[None, :] + b_hi[None, :]
+    return f_lo * a_lo + b_lo, f_hi * a_hi + b_hi
 
 
-# One 32-bit register holds 4 packed code bytes (4 consecutive elements of the tile); each output holds 4 bf16 in
-# two registers.  t0 = (b0, b1) and t1 = (b2, b3) as 16-bit lanes; low nibble -> (t & 0x000F000F) | 0x43004300 =
-# bf16 128 + q, high nibble -> ((t >> 4) & ...) | ...; subtracting 128 (136 for symmetric) is exact in bf16.
-_ASM_HEAD = """{
-.reg .b32 t0, t1, a0, a1, b0, b1, k0;
-prmt.b32 t0, $4, 0, 0x4140;
-prmt.b32 t1, $4, 0, 0x4342;
-lop3.b32 a0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 a1, t1, 0x000F000F, 0x43004300, 0xEA;
-shr.b32 t0, t0, 4;
-shr.b32 t1, t1, 4;
-lop3.b32 b0, t0, 0x000F000F, 0x43004300, 0xEA;
-lop3.b32 b1, t1, 0x000F000F, 0x43004300, 0xEA;
-"""
-_ASM_ASYM = (
-    _ASM_HEAD
-    + """mov.b32 k0, 0x43004300;
-sub.rn.bf16x2 a0, a0, k0;
-sub.rn.bf16x2 a1, a1, k0;
-sub.rn.bf16x2 b0, b0, k0;
-sub.rn.bf16x2 b1, b1, k0;
-fma.rn.bf16x2 $0, a0, $5, $9;
-fma.rn.bf16x2 $1, a1, $6, $10;
-fma.rn.bf16x2 $2, b0, $7, $11;
-fma.rn.bf16x2 $3, b1, $8, $12;
-}"""
-)
-_ASM_SYM = (
-    _ASM_HEAD
-    + """mov.b32 k0, 0x43084308;
-sub.rn.bf16x2 a0, a0, k0;
-sub.rn.bf16x2 a1, a1, k0;
-sub.rn.bf16x2 b0, b0, k0;
-sub.rn.bf16x2 b1, b1, k0;
-mul.rn.bf16x2 $0, a0, $5;
-mul.rn.bf16x2 $1, a1, $6;
-mul.rn.bf16x2 $2, b0, $7;
-mul.rn.bf16x2 $3, b1, $8;
-}"""
-)
+# One 32-bit register ($3 / $2) holds 4 packed code bytes (4 consecutive elements of the tile); the output holds 4
+# bf16 in two registers ($0, $1).  t0 = (b0, b1), t1 = (b2, b3) as 16-bit lanes; nibble -> (t & 0x000F000F) |
+# 0x43004300 = bf16 128 + q; subtracting 128 (136 for symmetric) is exact in bf16; then one bf16x2 fma (mul) with
+# the scale (and min).  Two calls (low, high nibbles): Pallas' lowering of a multi-result inline asm is broken.
+def _asm(shift: bool, sym: bool) -> str:
+    sh = "shr.b32 t0, t0, 4;\nshr.b32 t1, t1, 4;\n" if shift else ""
+    head = (
+        "{\n.reg .b32 t0, t1, k0;\n"
+        "prmt.b32 t0, $2, 0, 0x4140;\n"
+        "prmt.b32 t1, $2, 0, 0x4342;\n" + sh +
+        "lop3.b32 t0, t0, 0x000F000F, 0x43004300, 0xEA;\n"
+        "lop3.b32 t1, t1, 0x000F000F, 0x43004300, 0xEA;\n"
+    )
+    if sym:
+        return head + (
+            "mov.b32 k0, 0x43084308;\n"
+            "sub.rn.bf16x2 t0, t0, k0;\nsub.rn.bf16x2 t1, t1, k0;\n"
+            "mul.rn.bf16x2 $0, t0, $3;\nmul.rn.bf16x2 $1, t1, $4;\n}"
+        )
+    return head + (
+        "mov.b32 k0, 0x43004300;\n"
+        "sub.rn.bf16x2 t0, t0, k0;\nsub.rn.bf16x2 t1, t1, k0;\n"
+        "fma.rn.bf16x2 $0, t0, $3, $5;\nfma.rn.bf16x2 $1, t1, $4, $6;\n}"
+    )
 
 
 def _decode_asm(c, s_lo, s_hi, m_lo, m_hi):
-    """GPU-only decode to bf16 through PTX inline asm (see _ASM_*); scales/mins rows are float32 [bn]."""
+    """GPU-only decode to bf16 through PTX inline asm (see _asm); scales/mins float32 [1, bn] or [bk, bn]."""
     shape = c.shape
-    bc = lambda v: jnp.broadcast_to(v.astype(jnp.bfloat16)[None, :], shape)  # noqa: E731
-    args = [c, bc(s_lo), bc(s_hi)]
-    if m_lo is None:
-        asm, cons = _ASM_SYM, "=r,=r,=r,=r,r,r,r,r,r"
-    else:
-        asm, cons = _ASM_ASYM, "=r,=r,=r,=r,r,r,r,r,r,r,r,r,r"
-        args += [bc(m_lo), bc(m_hi)]
+    bc = lambda v: jnp.broadcast_to(v.astype(jnp.bfloat16), shape)  # noqa: E731
     out = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
-    w_lo, w_hi = plgpu.elementwise_inline_asm(asm, args=args, constraints=cons, pack=4, result_shape_dtypes=[out, out])
-    return w_lo, w_hi
+    res = []
+    for hi, s_, m_ in ((False, s_lo, m_lo), (True, s_hi, m_hi)):
+        args = [c, bc(s_)] + ([] if m_ is None else [bc(m_)])
+        cons = "=r,=r,r,r,r" if m_ is None else "=r,=r,r,r,r,r,r"
+        (w,) = plgpu.elementwise_inline_asm(
+            _asm(hi, m_ is None), args=args, constraints=cons, pack=4, result_shape_dtypes=[out]
+        )
+        res.append(w)
+    return tuple(res)
 
 
 def _decode_asm_emulated(c, s_lo, s_hi, m_lo, m_hi):
     """What _decode_asm computes, in jnp (interpret mode): bf16 scale/min, one bf16 rounding of q*s+m."""
     q_lo = (c & 0xF).astype(jnp.float32)
     q_hi = (c >> 4).astype(jnp.float32)
-    r = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)[None, :]  # noqa: E731
+    r = lambda v: v.astype(jnp.bfloat16).astype(jnp.float32)  # noqa: E731
     if m_lo is None:
         return ((q_lo - 8.0) * r(s_lo)).astype(jnp.bfloat16), ((q_hi - 8.0) * r(s_hi)).astype(jnp.bfloat16)
     return (q_lo * r(s_lo) + r(m_lo)).astype(jnp.bfloat16), (q_hi * r(s_hi) + r(m_hi)).astype(jnp.bfloat16)
@@ -153,17 +138,30 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
     m0 = pid_m * bm
     cdt = jnp.bfloat16 if decode == "asm" else x_ref.dtype
 
-    def load_row(ref, row):
-        return plgpu.load(ref.at[row, pl.ds(n0, bn)], mask=cmask, other=0).astype(jnp.float32)
+    if bk <= g:  # one scale row per half and tile: [1, bn] loads
+
+        def load_scales(ref, r0):
+            j = r0 // g
+            lo = plgpu.load(ref.at[pl.ds(j, 1), pl.ds(n0, bn)], mask=cmask[None, :], other=0)
+            hi = plgpu.load(ref.at[pl.ds(j + nh, 1), pl.ds(n0, bn)], mask=cmask[None, :], other=0)
+            return lo.astype(jnp.float32), hi.astype(jnp.float32)
+
+    else:  # the tile spans several groups: per-row gathered [bk, bn] scale loads (L1 hits), no layout change
+
+        def load_scales(ref, r0):
+            rows = (r0 + jnp.arange(bk)) // g
+            cm = jnp.broadcast_to(cmask[None, :], (bk, bn))
+            lo = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=cm, other=0)
+            hi = plgpu.load(ref.at[rows[:, None] + nh, cols[None, :]], mask=cm, other=0)
+            return lo.astype(jnp.float32), hi.astype(jnp.float32)
 
     def body(t, acc):
         r0 = pl.multiple_of(t * bk, bk)
-        j = r0 // g
         c = plgpu.load(c_ref.at[pl.ds(r0, bk), pl.ds(n0, bn)], mask=cmask[None, :], other=0)
-        s_lo, s_hi = load_row(s_ref, j), load_row(s_ref, j + nh)
+        s_lo, s_hi = load_scales(s_ref, r0)
         m_lo = m_hi = None
         if m_ref is not None:
-            m_lo, m_hi = load_row(m_ref, j), load_row(m_ref, j + nh)
+            m_lo, m_hi = load_scales(m_ref, r0)
         if decode == "asm":
             w_lo, w_hi = _decode_asm(c, s_lo, s_hi, m_lo, m_hi)
         elif decode == "asm_emulated":
@@ -214,13 +212,14 @@ def int4_matmul(
 ):
     """x [M, K] @ int4 W (codes uint8 [K/2, N], scales/mins float16 [K/g, N]) -> [M, N] in x.dtype.
 
-    block_k: byte rows per loop step (a power of two dividing group_size); split_k: K splits (None: enough
+    block_k: byte rows per loop step (a power of two dividing K/2; a divisor or a multiple of group_size); split_k: K splits (None: enough
     programs to fill the chip, `min_programs` of them); decode: "f32" | "asm" (GPU, bf16) ; mode: "dot" | "fma"."""
     m, k = x.shape
     k_half, n = codes.shape
     g = group_size
     assert k == 2 * k_half, (x.shape, codes.shape)
-    assert k_half % g == 0 and g % block_k == 0, (k_half, g, block_k)
+    assert k_half % g == 0 and (g % block_k == 0 or block_k % g == 0), (k_half, g, block_k)
+    assert k_half % block_k == 0, (k_half, block_k)
     if decode == "asm" and (interpret or x.dtype != jnp.bfloat16):
         decode = "asm_emulated" if x.dtype == jnp.bfloat16 else "f32"
     if mode == "fma" and m != 1:
@@ -287,5 +286,6 @@ def qmatmul_pallas(x, w, *, interpret: bool | None = None, **overrides):
     cfg.update(overrides)
     if g & (g - 1) or (k // 2) % g:
         raise ValueError(f"int4_matmul needs a power-of-two group size dividing K/2 (g={g}, K={k})")
-    cfg["block_k"] = min(cfg["block_k"], g)
+    while (k // 2) % cfg["block_k"]:
+        cfg["block_k"] //= 2
     return int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=interpret, **cfg)

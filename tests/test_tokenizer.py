@@ -1,8 +1,8 @@
 """Tokenizer tests against recorded references (no transformers/llama.cpp needed at test time).
 
 * fixtures/tokenizer_hf_reference.json (made by fixtures/make_tokenizer_hf_fixture.py): Hugging
-  Face ids for the embedded SmolLM2 GGUF, chat-template renderings, and a tiny SentencePiece
-  model with the ids ``sentencepiece`` gives.
+  Face (and llama.cpp, when recorded) ids for the embedded SmolLM2 GGUF, chat-template
+  renderings, and a tiny SentencePiece model with the ids ``sentencepiece`` gives.
 * fixtures/tokenizer_reference.json (when present): ids from llama.cpp (authoritative) and HF.
 """
 
@@ -51,16 +51,17 @@ def test_ids_match_hf(tok, i):
 
 
 def _llamacpp_cases():
-    if not os.path.exists(LLAMACPP_REF_PATH):
-        return []
-    ref = json.load(open(LLAMACPP_REF_PATH, encoding="utf-8"))
-    return [c for c in ref.get("texts", []) if c.get("llamacpp_ids") is not None]
+    cases = [c for c in HF_REF["texts"] if c.get("llamacpp_ids") is not None]
+    if os.path.exists(LLAMACPP_REF_PATH):
+        ref = json.load(open(LLAMACPP_REF_PATH, encoding="utf-8"))
+        cases += [c for c in ref.get("texts", []) if c.get("llamacpp_ids") is not None]
+    return cases
 
 
 @pytest.mark.parametrize("case", _llamacpp_cases() or [None], ids=lambda c: repr(c["text"])[:40] if c else "absent")
 def test_ids_match_llamacpp(tok, case):
     if case is None:
-        pytest.skip("fixtures/tokenizer_reference.json not present")
+        pytest.skip("no llama.cpp ids recorded in the fixtures")
     assert tok.encode(case["text"]) == case["llamacpp_ids"]
 
 
@@ -76,6 +77,8 @@ def test_vocab_and_special_ids(tok):
     assert tok.id_to_token(1) == "<|im_start|>" and tok.token_to_id("<|im_end|>") == 2
     # <|endoftext|>, <|im_end|> (= eos), and <reponame>, which llama.cpp takes for a FIM "repo" token
     assert tok.eot_ids == {0, 2, 4}
+    if HF_REF.get("llamacpp_eog_ids") is not None:
+        assert tok.eot_ids == set(HF_REF["llamacpp_eog_ids"])
     assert not tok.add_bos  # tokenizer.ggml.add_bos_token = False
     assert tok.encode("") == []
     assert tok.encode("Hello")[0] != tok.bos_id
@@ -221,6 +224,14 @@ def test_spm_matches_sentencepiece(spm_tok, case):
     assert ids == [spm_tok.bos_id] + case["sp_ids"]  # add_bos_token True
     assert spm_tok.decode(ids, skip_special=True) == case["text"]
     assert spm_tok.decode(case["sp_ids"]) == case["text"]
+
+
+@pytest.mark.parametrize("case", HF_REF["spm"].get("llamacpp_texts") or [None],
+                         ids=lambda c: repr(c["text"])[:40] if c else "absent")
+def test_spm_matches_llamacpp(spm_tok, case):
+    if case is None:
+        pytest.skip("no llama.cpp ids recorded for the SPM vocab")
+    assert spm_tok.encode(case["text"]) == case["llamacpp_ids"]
 
 
 def test_spm_byte_fallback_and_stream(spm_tok):

@@ -1,0 +1,193 @@
+"""Pallas kernels (interpret mode on the CPU) against their plain-jnp references and against the `xla` kernels.
+
+Fresh random inputs every case (never zeros), shapes that are not multiples of the block sizes, ragged per-row
+lengths / start offsets, GQA groups 1, 3 (SmolLM2: Hq=9, Hkv=3, D=64) and 4, M = 1, 3, 16, 40.
+Relative-error bounds ||out - ref|| / ||ref||:
+  float32: 2e-5 (observed ~3e-7: float32 arithmetic, different summation order)
+  bfloat16: 2e-2 (observed 1e-3..7e-3: bf16 inputs/outputs, bf16 rounding of the dequantized weight / of P)
+The `gpu`-marked checks run the compiled kernels and are skipped unless jax.default_backend() == "gpu".
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from lucebox_jax import kernels_xla, ops
+from lucebox_jax.quant import QuantArray
+from pallas_kernels.attention_decode import attention_decode, attention_decode_reference
+from pallas_kernels.attention_prefill import attention_prefill, attention_prefill_reference
+from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+ON_GPU = jax.default_backend() == "gpu"
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+
+
+def rel(a, b) -> float:
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite output"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def rand_quant(rng, k, n, g, sym):
+    codes = rng.integers(0, 256, (k // 2, n), dtype=np.uint8)
+    scales = (rng.uniform(0.5, 1.5, (k // g, n)) * 0.02).astype(np.float16)
+    mins = None if sym else (rng.standard_normal((k // g, n)) * 0.1).astype(np.float16)
+    return QuantArray(
+        codes=jnp.asarray(codes), scales=jnp.asarray(scales), mins=None if sym else jnp.asarray(mins), group_size=g
+    )
+
+
+def test_registered():
+    assert "pallas" in ops.available("qmatmul")
+    assert "pallas" in ops.available("attention_decode")
+    assert "pallas" in ops.available("attention_prefill")
+    assert ops.default_name("qmatmul", "cpu") == "xla"
+    assert ops.default_name("attention_decode", "cpu") == "xla"
+
+
+# ------------------------------------------------------------------------------------------------ int4 matmul
+QCASES = [  # M, K, N, group, symmetric, dtype
+    (1, 256, 96, 32, False, jnp.float32),
+    (3, 256, 80, 128, True, jnp.bfloat16),
+    (16, 512, 144, 32, True, jnp.float32),
+    (40, 256, 48, 32, False, jnp.bfloat16),
+]
+
+
+@pytest.mark.parametrize("m,k,n,g,sym,dt", QCASES)
+def test_qmatmul_registered(m, k, n, g, sym, dt):
+    rng = np.random.default_rng(hash((m, k, n, g, sym)) % 2**32)
+    w = rand_quant(rng, k, n, g, sym)
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+    y = ops.get("qmatmul", "pallas")(x, w)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
+    assert rel(y, ref) < TOL[dt]
+    assert rel(y, kernels_xla.qmatmul_xla(x, w)) < TOL[dt]
+
+
+@pytest.mark.parametrize(
+    "m,dt,kw",
+    [
+        (1, jnp.float32, dict(mode="fma", block_n=32, block_k=16, split_k=3)),  # 8 tiles over 3 splits: ragged
+        (3, jnp.bfloat16, dict(decode="asm", block_n=64, split_k=2)),  # asm decode, emulated in interpret mode
+    ],
+)
+def test_qmatmul_variants(m, dt, kw):
+    rng = np.random.default_rng(7 + m)
+    k, n, g = 256, 72, 32
+    w = rand_quant(rng, k, n, g, False)
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+    y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=True, **kw)
+    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
+    assert rel(y, ref) < TOL[dt]
+    assert rel(y, kernels_xla.qmatmul_xla(x, w)) < TOL[dt]
+
+
+# ------------------------------------------------------------------------------------------------ decode attention
+DCASES = [  # B, Hq, Hkv, S, D, lengths, dtype, knobs
+    (3, 9, 3, 100, 64, [1, 37, 100], jnp.float32, dict(block_k=32, min_programs=32)),  # SmolLM2 heads, 4 splits
+    (2, 8, 2, 80, 32, [80, 17], jnp.bfloat16, dict(block_k=32, n_split=2)),  # G = 4
+    (2, 2, 2, 48, 32, [5, 48], jnp.float32, dict(block_k=16, n_split=1)),  # G = 1, single split
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,s,d,lens,dt,kw", DCASES)
+def test_attention_decode(b, hq, hkv, s, d, lens, dt, kw):
+    rng = np.random.default_rng(s + hq)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), dt)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dt)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dt)
+    lengths = jnp.asarray(lens, jnp.int32)
+    scale = d**-0.5
+    y = attention_decode(q, k, v, lengths, scale=scale, interpret=True, **kw)
+    assert y.shape == q.shape and y.dtype == q.dtype
+    assert rel(y, attention_decode_reference(q, k, v, lengths, scale=scale)) < TOL[dt]
+    assert rel(y, kernels_xla.attention_decode_xla(q, k, v, lengths, scale=scale)) < TOL[dt]
+
+
+def test_attention_decode_registered():
+    rng = np.random.default_rng(11)
+    b, hq, hkv, s, d = 2, 9, 3, 40, 64
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
+    lengths = jnp.asarray([40, 9], jnp.int32)
+    y = ops.get("attention_decode", "pallas")(q, k, v, lengths, scale=0.125)
+    assert rel(y, kernels_xla.attention_decode_xla(q, k, v, lengths, scale=0.125)) < TOL[jnp.float32]
+
+
+# ------------------------------------------------------------------------------------------------ prefill attention
+PCASES = [  # B, T, Hq, Hkv, S, D, starts, dtype, knobs
+    (2, 5, 9, 3, 70, 64, [0, 40], jnp.float32, dict(block_k=32)),  # verify window, G = 3, ragged starts
+    (2, 20, 8, 2, 96, 32, [3, 76], jnp.bfloat16, dict(block_t=8, block_k=32)),  # G = 4, T % block_t != 0
+    (1, 33, 4, 4, 64, 32, [0], jnp.float32, dict(block_t=16, block_k=32)),  # G = 1, prefill from 0
+]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,dt,kw", PCASES)
+def test_attention_prefill(b, t, hq, hkv, s, d, starts, dt, kw):
+    rng = np.random.default_rng(t + s)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dt)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dt)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), dt)
+    start = jnp.asarray(starts, jnp.int32)
+    scale = d**-0.5
+    y = attention_prefill(q, k, v, start, scale=scale, interpret=True, **kw)
+    assert y.shape == q.shape and y.dtype == q.dtype
+    assert rel(y, attention_prefill_reference(q, k, v, start, scale=scale)) < TOL[dt]
+    assert rel(y, kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale)) < TOL[dt]
+
+
+def test_attention_prefill_registered():
+    rng = np.random.default_rng(12)
+    b, t, hq, hkv, s, d = 1, 4, 9, 3, 32, 64
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32)
+    start = jnp.asarray([20], jnp.int32)
+    y = ops.get("attention_prefill", "pallas")(q, k, v, start, scale=0.125)
+    assert rel(y, kernels_xla.attention_prefill_xla(q, k, v, start, scale=0.125)) < TOL[jnp.float32]
+
+
+# ------------------------------------------------------------------------------------------------ GPU (compiled)
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+@pytest.mark.parametrize("g,sym", [(32, False), (128, True)])
+def test_gpu_qmatmul(m, g, sym):
+    rng = np.random.default_rng(m + g)
+    k, n = 1024, 1000
+    w = rand_quant(rng, k, n, g, sym)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = ops.get("qmatmul", "pallas")(x, w)
+    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
+    assert rel(y, ref) < TOL[jnp.bfloat16]
+    for decode in ("f32", "asm"):
+        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode=decode)
+        assert rel(y, ref) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("hq,hkv,d", [(9, 3, 64), (32, 8, 128), (4, 4, 128)])
+def test_gpu_attention(hq, hkv, d):
+    rng = np.random.default_rng(hq)
+    b, s = 3, 1000
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16)
+    lengths = jnp.asarray([1, 517, 1000], jnp.int32)
+    y = ops.get("attention_decode", "pallas")(q, k, v, lengths, scale=d**-0.5)
+    assert rel(y, attention_decode_reference(q, k, v, lengths, scale=d**-0.5)) < TOL[jnp.bfloat16]
+    t = 37
+    qp = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
+    start = jnp.asarray([0, 400, 963], jnp.int32)
+    y = ops.get("attention_prefill", "pallas")(qp, k, v, start, scale=d**-0.5)
+    assert rel(y, attention_prefill_reference(qp, k, v, start, scale=d**-0.5)) < TOL[jnp.bfloat16]
