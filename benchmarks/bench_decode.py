@@ -1,0 +1,153 @@
+"""Whole-model decode benchmark (issue 3): tok/s and the fraction of the bandwidth bound for a full decode step.
+
+In one run: the copy bandwidth (JAX device-to-device copy, bytes read + written), then for each model and kernel set
+the on-device generation loop (`engine.generate_loop`) at a fixed context, reporting ms/token, tok/s, the bytes one
+step must read (weights + the KV cache up to the context) and that over the measured copy bandwidth. Models use
+random weights at real shapes (speed does not depend on weight values): SmolLM2-135M (the embedded model's shapes)
+and Llama-3-8B, int4 group 128. Also counts the kernels one compiled decode step launches.
+
+    PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py                       # GPU defaults
+    python benchmarks/bench_decode.py --small                                   # CPU smoke run
+Writes $OUT/bench_decode.json (or ./bench_decode.json) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lucebox_jax import ops  # noqa: E402
+from lucebox_jax.engine import decode_step, generate_loop, sample_first  # noqa: E402
+from lucebox_jax.model import init_cache  # noqa: E402
+from lucebox_jax.ops import KernelSet  # noqa: E402
+from lucebox_jax.quant import weight_nbytes  # noqa: E402
+from lucebox_jax.sampling import RowParams, SamplingParams  # noqa: E402
+from lucebox_jax.synthetic import PRESETS, random_weights  # noqa: E402
+
+
+def copy_bandwidth(nbytes: int) -> float:
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0000001)
+    f(x).block_until_ready()
+    ts = []
+    for _ in range(10):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        ts.append(time.perf_counter() - t)
+    return 2 * nbytes / float(np.median(ts))
+
+
+def count_kernels(compiled_text: str) -> int:
+    """Kernel launches in the entry computation of an optimized HLO module (fusions, custom calls, copies...)."""
+    entry = compiled_text[compiled_text.rfind("ENTRY"):]
+    ops_ = re.findall(r"=\s*[\w\[\]{},: ]*?\b(fusion|custom-call|copy|convolution|dot|all-reduce|scatter|gather|"
+                      r"dynamic-update-slice|reduce|sort|while|conditional)\(", entry)
+    return len(ops_)
+
+
+def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_tokens: int, reps: int):
+    s = ctx + n_tokens + 16
+    s = ((s + 255) // 256) * 256
+    cache = init_cache(cfg, batch, s)
+    cache = cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))  # positions hold zeros: same cost as real KV
+    rp = RowParams.from_params([SamplingParams(temperature=0)] * batch)
+    seen = jnp.zeros((batch, cfg.vocab_size), bool)
+    logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
+    first, seen = sample_first(logits, rp, jnp.full((batch,), ctx), seen)
+    stop = jnp.asarray([-2], jnp.int32)
+    row_max = jnp.full((batch,), n_tokens, jnp.int32)
+    t0 = time.perf_counter()
+    lowered = decode_step.lower(cfg, kernels, weights, cache, first.tokens, rp, seen)
+    n_kernels = count_kernels(lowered.compile().as_text())
+    args = dict(max_new=n_tokens)
+    out = generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)
+    jax.block_until_ready(out)
+    compile_s = time.perf_counter() - t0
+    ts = []
+    for _ in range(reps):
+        cache = init_cache(cfg, batch, s).replace(lengths=jnp.full((batch,), ctx, jnp.int32))
+        seen = jnp.zeros((batch, cfg.vocab_size), bool)
+        jax.block_until_ready(cache)
+        t = time.perf_counter()
+        bufs, count, cache = generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)
+        jax.block_until_ready(bufs.tokens)
+        ts.append(time.perf_counter() - t)
+    assert int(jnp.min(count)) == n_tokens
+    dt = float(np.median(ts)) / (n_tokens - 1)  # the loop decodes n_tokens - 1 steps after the first token
+    kv_bytes = 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.head_dim * (ctx + n_tokens // 2) * jnp.dtype(cfg.dtype).itemsize
+    w_bytes = weight_nbytes(weights) - weights.embed.table.nbytes - (
+        weights.embed.scales.nbytes if weights.embed.scales is not None else 0) + batch * cfg.dim * 3
+    return dict(model=name, kernels=kernels.describe(), batch=batch, ctx=ctx, ms_per_step=dt * 1e3,
+                tok_s=batch / dt, step_bytes=w_bytes + kv_bytes, weight_bytes=w_bytes, kv_bytes=kv_bytes,
+                kernels_per_step=n_kernels, compile_s=compile_s)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true", help="tiny CPU smoke run")
+    ap.add_argument("--models", default="smollm2-135m,llama3-8b")
+    ap.add_argument("--kernel-sets", default=None, help="';'-separated specs, e.g. 'qmatmul=xla;qmatmul=pallas'")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=3)
+    args = ap.parse_args()
+    backend = jax.default_backend()
+    dtype = "bfloat16" if backend == "gpu" else "float32"
+    if args.small:
+        args.models, args.batches, args.ctx, args.tokens, args.reps = "tiny", "1,4", 64, 16, 2
+    out_dir = os.environ.get("OUT", ".")
+    results = {"device": str(jax.devices()[0]), "backend": backend, "jax": jax.__version__,
+               "date": time.strftime("%Y-%m-%d"), "rows": []}
+    bw = copy_bandwidth(256 << 20 if args.small else 4 << 30)
+    results["copy_bandwidth_GBs"] = bw / 1e9
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    specs = args.kernel_sets.split(";") if args.kernel_sets else (
+        ["qmatmul=xla,attention_decode=xla,attention_prefill=xla", ""] if backend == "gpu" else [""])
+    for model in args.models.split(","):
+        cfg = PRESETS[model].replace(dtype=dtype)
+        weights = random_weights(cfg, jax.random.key(0), group_size=32 if model in ("tiny", "smollm2-135m") else 128,
+                                 asymmetric=model in ("tiny", "smollm2-135m"))
+        jax.block_until_ready(weights)
+        seen_specs = set()
+        for spec in specs:
+            ks = KernelSet.resolve(spec or None)
+            if ks in seen_specs:
+                continue
+            seen_specs.add(ks)
+            for b in [int(x) for x in args.batches.split(",")]:
+                if model == "llama3-8b" and b > 8:
+                    continue
+                try:
+                    r = bench_model(model, cfg, weights, ks, b, args.ctx, args.tokens, args.reps)
+                except Exception as e:  # one failing kernel set must not lose the rest of the run
+                    r = dict(model=model, kernels=ks.describe(), batch=b, error=f"{type(e).__name__}: {e}"[:300])
+                if "tok_s" in r:
+                    r["bw_fraction"] = r["step_bytes"] / (r["ms_per_step"] / 1e3) / bw
+                results["rows"].append(r)
+                print(json.dumps(r), flush=True)
+                with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+                    json.dump(results, f, indent=1)
+        del weights
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; {results['device']}; jax {jax.__version__}")
+    print(f"{'model':14} {'kernels':40} {'B':>3} {'ms/step':>8} {'tok/s':>9} {'MB/step':>8} {'%bw':>5} {'launch':>6}")
+    for r in results["rows"]:
+        if "error" in r:
+            print(f"{r['model']:14} {r['kernels'][:40]:40} {r['batch']:>3} ERROR {r['error'][:60]}")
+            continue
+        print(f"{r['model']:14} {r['kernels'][:40]:40} {r['batch']:>3} {r['ms_per_step']:8.3f} {r['tok_s']:9.0f} "
+              f"{r['step_bytes'] / 1e6:8.1f} {100 * r['bw_fraction']:5.1f} {r['kernels_per_step']:>6}")
+
+
+if __name__ == "__main__":
+    main()
