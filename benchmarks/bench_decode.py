@@ -79,7 +79,7 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
         seen = jnp.zeros((batch, cfg.vocab_size), bool)
         jax.block_until_ready(cache)
         t = time.perf_counter()
-        bufs, count, cache = generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)
+        bufs, count, cache, _ = generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)
         jax.block_until_ready(bufs.tokens)
         ts.append(time.perf_counter() - t)
     assert int(jnp.min(count)) == n_tokens

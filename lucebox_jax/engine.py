@@ -61,6 +61,12 @@ class StepOut:
     top_ids: jax.Array  # [B, k]
     top_vals: jax.Array  # [B, k]
 
+    @classmethod
+    def of_tokens(cls, tokens) -> "StepOut":
+        """Tokens without logprobs (to continue a loop from a known token)."""
+        b = tokens.shape[0]
+        return cls(tokens, jnp.zeros((b,), jnp.float32), jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32))
+
 
 def _sample_out(logits, rp, positions, seen, n_logprobs):
     tok = sample(logits, rp, positions, seen)
@@ -111,8 +117,8 @@ def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache:
                   rp: RowParams, seen, stop_ids, row_max, max_new: int, n_logprobs: int = 0):
     """Decode until every row hit a stop id or its own max token count (row_max [B] <= max_new), on device.
 
-    first: the token sampled from the prefill. Returns (tokens [B, max_new] padded with -1, n_generated [B],
-    StepOut of buffers [B, max_new, ...], cache)."""
+    first: the newest token of each row, not yet in the cache (e.g. sampled from the prefill); it is slot 0 of the
+    output. Returns (StepOut of buffers [B, max_new, ...] with tokens padded by -1, n_generated [B], cache, seen)."""
     b = first.tokens.shape[0]
     k = n_logprobs
 
@@ -146,8 +152,8 @@ def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache:
         return i + 1, cache, out.tokens, seen, done, count, bufs
 
     state = (jnp.int32(1), cache, first.tokens, seen, done, count, bufs)
-    _, cache, _, _, _, count, bufs = jax.lax.while_loop(cond, body, state)
-    return bufs, count, cache
+    _, cache, _, seen, _, count, bufs = jax.lax.while_loop(cond, body, state)
+    return bufs, count, cache, seen
 
 
 class Engine:
@@ -231,6 +237,7 @@ class Engine:
                                  n_logprobs=n_logprobs)
 
     def loop(self, cache, first: StepOut, rp, seen, stop_ids, row_max, n_logprobs: int = 0):
+        """Run generate_loop; returns (bufs, count, cache, seen)."""
         max_new = pow2_at_least(int(np.max(row_max)), 16)
         stop = jnp.asarray(np.asarray(sorted(stop_ids) or [-2], np.int32))
         key = ("loop", cache.batch, cache.max_len, max_new, n_logprobs, stop.shape[0])

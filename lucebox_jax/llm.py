@@ -181,7 +181,7 @@ class LLM:
         seen = eng.new_seen([r.ids for r in reqs])
         first, seen = eng.first_token(last, rp, lens, seen, n_lp)
         stop_ids = set().union(*[self._stop_ids(r.params) for r in reqs])
-        bufs, count, cache = eng.loop(cache, first, rp, seen, stop_ids, row_max, n_lp)
+        bufs, count, cache, _ = eng.loop(cache, first, rp, seen, stop_ids, row_max, n_lp)
         toks, count = np.asarray(bufs.tokens), np.asarray(count)
         dt = time.perf_counter() - t0 - (eng.compile_seconds - c0)
         outs = []
@@ -247,9 +247,12 @@ class LLM:
         return out
 
     # ------------------------------------------------------------------ streaming
-    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def stream(self, prompt, params: SamplingParams | None = None, chunk: int = 8) -> Iterator[str]:
         """Yield the completion's text as it is produced (never splitting a UTF-8 character); afterwards
-        `self.last_stats` holds token counts, timings and the finish reason."""
+        `self.last_stats` holds token counts, timings and the finish reason.
+
+        Tokens are decoded on device `chunk` at a time (one program per chunk, no host round trip per token);
+        the text of each token is yielded as soon as its chunk returns."""
         params = params or SamplingParams()
         r = self._request(prompt, params)
         eng, cfg = self.engine, self.config
@@ -262,31 +265,37 @@ class LLM:
         last, _, cache = eng.prefill(cache, [r.ids])
         seen = eng.new_seen([r.ids])
         out, seen = eng.first_token(last, rp, [len(r.ids)], seen)
-        tok = int(out.tokens[0])
+        pending = [int(out.tokens[0])]
         t_first = time.perf_counter()
         c1 = eng.compile_seconds
         dec = StreamDecoder(self.tokenizer)
         ids: list[int] = []
-        text, emitted, finish = "", 0, "length"
+        text, emitted, finish = "", 0, None
         hold = max((len(s) for s in params.stop), default=1) - 1
-        while True:
-            ids.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            text += dec.push(tok)
-            cut = _find_stop(text, params.stop)
-            if cut is not None:
-                text, finish = text[: cut[0]], "stop"
-                break
-            safe = len(text) - hold  # hold back what could be the start of a stop string
+        while finish is None:
+            for tok in pending:
+                ids.append(tok)
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+                text += dec.push(tok)
+                cut = _find_stop(text, params.stop)
+                if cut is not None:
+                    text, finish = text[: cut[0]], "stop"
+                    break
+                if len(ids) >= max_new:
+                    finish = "length"
+                    break
+            safe = len(text) if finish else len(text) - hold  # hold back a possible stop-string prefix
             if safe > emitted:
                 yield text[emitted:safe]
                 emitted = safe
-            if len(ids) >= max_new:
+            if finish:
                 break
-            cache, out, seen = eng.decode(cache, jnp.asarray([tok], jnp.int32), rp, seen)
-            tok = int(out.tokens[0])
+            n = min(chunk, max_new - len(ids))
+            bufs, count, cache, seen = eng.loop(cache, StepOut.of_tokens(jnp.asarray([ids[-1]], jnp.int32)), rp,
+                                                seen, stop_ids, np.array([n + 1], np.int32))
+            pending = [int(t) for t in np.asarray(bufs.tokens[0, 1: int(count[0])])]
         if finish == "length":
             text += dec.flush()
         if len(text) > emitted:
@@ -299,7 +308,7 @@ class LLM:
             "prompt_tokens": len(r.ids), "completion_tokens": len(ids), "token_ids": ids, "text": text,
             "finish_reason": finish, "compile_seconds": compile_s,
             "prefill_seconds": prefill_s, "decode_seconds": decode_s,
-            "prefill_tok_s": len(r.ids) / prefill_s if prefill_s else 0.0,
+            "prefill_tok_s": len(r.ids) / prefill_s,
             "decode_tok_s": (len(ids) - 1) / decode_s if len(ids) > 1 else 0.0,
         }
 

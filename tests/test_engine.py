@@ -37,7 +37,7 @@ def run_greedy(eng, ps, max_new, stop=()):
     rp = greedy_rp(b)
     seen = eng.new_seen(ps)
     first, seen = eng.first_token(last, rp, [len(p) for p in ps], seen)
-    bufs, count, _ = eng.loop(cache, first, rp, seen, set(stop), np.full(b, max_new))
+    bufs, count, _, _ = eng.loop(cache, first, rp, seen, set(stop), np.full(b, max_new))
     toks, count = np.asarray(bufs.tokens), np.asarray(count)
     return [list(toks[i, : count[i]]) for i in range(b)]
 
@@ -96,7 +96,7 @@ def test_stop_ids_and_row_max(eng):
     rp = greedy_rp(b)
     seen = eng.new_seen(ps)
     first, seen = eng.first_token(last, rp, [6, 6], seen)
-    bufs, count, _ = eng.loop(cache, first, rp, seen, set(), np.array([2, 7]))
+    bufs, count, _, _ = eng.loop(cache, first, rp, seen, set(), np.array([2, 7]))
     assert list(np.asarray(count)) == [2, 7]
     assert list(np.asarray(bufs.tokens)[0, :2]) == free[0][:2] and np.asarray(bufs.tokens)[0, 2] == -1
 
