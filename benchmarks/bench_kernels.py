@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One GPU run: copy bandwidth, then every Pallas kernel against its XLA baseline (issue 3).
 
-    cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_kernels.py [--sweep] [--quick]
+    cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_kernels.py [--budget 420] [--quick] [--sweep]
 
   * copy bandwidth: a 4 GiB device-to-device elementwise copy in JAX (bytes read + written);
   * qmatmul (int4 W4A16) at Llama-3-8B layer shapes (qkv 4096x6144, o 4096x4096, gate+up 4096x28672,
@@ -9,7 +9,8 @@
   * attention_decode at B=8, Hq=32, Hkv=8, D=128, bf16, S = 1k, 4k, 16k, 32k (full lengths), pallas vs xla vs jax's
     shipped jax.experimental.pallas.ops.gpu.decode_attention.gqa (on its own [B, S, Hkv, D] layout);
   * attention_prefill at a few shapes, pallas vs xla.
-`--sweep` instead times variants of the kernels' tuning knobs (block sizes, warps, stages, split-K, decode path).
+The kernels run with their registered defaults (`default_config` in each pallas_kernels module).
+`--sections ...,qsweep` first times qmatmul variants and uses the winners; `--sweep` only times variants.
 
 Timing: one jitted function applies the op to R different input sets (R chosen so the sets total >= 240 MB, so
 the 50-60 MB L2 never holds the next set), called n times back to back after two warmup calls.  The reported time
@@ -364,7 +365,7 @@ QVARIANTS = [
     ("asm_dot_k256_w8", dict(decode="asm", mode="dot", block_n=128, block_k=256, num_warps=8, num_stages=3)),
     ("asm_dot_k64_n256_w8", dict(decode="asm", mode="dot", block_n=256, block_k=64, num_warps=8, num_stages=3)),
 ]
-SWEEP_CASES = [("qkv", "g32a", 1), ("gate_up", "g128s", 1), ("gate_up", "g32a", 16)]
+SWEEP_CASES = [("qkv", "g32a", 1), ("gate_up", "g128s", 1), ("gate_up", "g32a", 16), ("qkv", "g128s", 16)]
 
 
 def sweep_qmatmul(bw):
@@ -464,7 +465,8 @@ def main():
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later sections are skipped past it")
-    ap.add_argument("--sections", default="copy,qsweep,qmatmul,decode,prefill")
+    ap.add_argument("--sections", default="copy,qmatmul,decode,prefill",
+                    help="add qsweep to time the qmatmul variants first and use the winners instead of the defaults")
     ARGS = ap.parse_args()
     dev = jax.devices()[0]
     RESULTS["device"] = f"{dev.platform}:{getattr(dev, 'device_kind', '?')} jax {jax.__version__}"
@@ -480,7 +482,9 @@ def main():
                     num_warps=4, num_stages=3)
 
         def cfg_for(m):
-            if m == 1 and best1:
+            if best1 is None:  # registered defaults
+                return {}
+            if m == 1:
                 return best1
             if m <= 16 and dot16:
                 return dot16

@@ -17,7 +17,10 @@ from . import kernels_xla, ops
 log = logging.getLogger(__name__)
 
 # which ops make `pallas` the GPU default (from the H200 measurement)
-_GPU_DEFAULT = {"qmatmul": True, "attention_decode": True, "attention_prefill": False}
+_GPU_DEFAULT = {"qmatmul": True, "attention_decode": True, "attention_prefill": True}
+# qmatmul rows above this go to XLA's dequantize + dot on the GPU (H200: Pallas 1.1-2.3x faster at M <= 64,
+# XLA 1.6-2x faster at M = 512)
+_PALLAS_MAX_M = 64
 
 try:
     from pallas_kernels.attention_decode import attention_decode_pallas
@@ -41,8 +44,7 @@ else:
         k = x.shape[-1]
         if not _pow2(w.group_size) or (k // 2) % w.group_size:
             return kernels_xla.qmatmul_xla(x, w)
-        if x.shape[0] > 16 and not _interpret():
-            # prefill-sized M: dequantize + XLA dot measured faster than the Pallas GEMM tiles on the H200
+        if x.shape[0] > _PALLAS_MAX_M and not _interpret():
             return kernels_xla.qmatmul_xla(x, w)
         return qmatmul_pallas(x, w, interpret=_interpret())
 

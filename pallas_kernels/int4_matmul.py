@@ -190,11 +190,22 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
 
 
 def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, on_gpu: bool = True) -> dict:
-    """Tuning knobs picked from the H200 sweep (benchmarks/RESULTS.md, "Kernels (issue 3)")."""
-    cfg = dict(block_n=128, block_k=min(32, group_size), split_k=None, num_warps=4, num_stages=4, mode="dot")
-    cfg["decode"] = "asm" if (on_gpu and jnp.dtype(dtype) == jnp.bfloat16) else "f32"
+    """Tuning knobs picked from the H200 sweep (benchmarks/RESULTS.md, "Kernels (issue 3)").
+
+    M == 1, g < 128: float32 decode + elementwise FMA accumulation (best on qkv g32: 18.7 us vs 20.9 asm/dot);
+    M <= 16, g >= 128: asm decode, tensor-core dot, block_k = 128 (one whole group per step), block_n = 64
+      (46.0 us vs 64.7-71.2 for every other variant on gate_up 4096x28672 g128 at M = 1);
+    M <= 16 otherwise: asm decode + dot, block_k = 32, block_n = 128;  M > 16: 64-row GEMM tiles (the registry
+    sends M > 64 to XLA, which is faster there)."""
+    asm_ok = on_gpu and jnp.dtype(dtype) == jnp.bfloat16
+    cfg = dict(block_n=128, block_k=min(32, group_size), split_k=None, num_warps=4, num_stages=4, mode="dot",
+               decode="asm" if asm_ok else "f32")
     if m > 16:
         cfg.update(block_m=64, block_n=128, num_warps=4, num_stages=3)
+    elif group_size >= 128 and asm_ok:
+        cfg.update(block_n=64, block_k=128)
+    elif m == 1:
+        cfg.update(mode="fma", decode="f32")
     return cfg
 
 

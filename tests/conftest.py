@@ -10,8 +10,6 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("LUCEBOX_JAX_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
 
-from gguf_factory import write_tiny_gguf  # noqa: E402
-
 
 def pytest_collection_modifyitems(config, items):
     if jax.default_backend() != "gpu":
@@ -31,6 +29,8 @@ def smol():
 
 @pytest.fixture(scope="session")
 def tiny_gguf(tmp_path_factory):
+    from gguf_factory import write_tiny_gguf  # imported here: the GPU machine has no gguf package
+
     path = tmp_path_factory.mktemp("tiny") / "tiny-llama.gguf"
     write_tiny_gguf(path)
     return str(path)
