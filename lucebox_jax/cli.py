@@ -34,6 +34,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-format", choices=("text", "json"), default="text")
     p.add_argument("--no-checkpoint", action="store_true", help="read the GGUF directly, never convert it")
     p.add_argument("--verbose", "-v", action="store_true")
+    p.add_argument("--draft", default=None, metavar="MODEL|layers:N|ngram",
+                   help="speculative decoding drafter: a draft model (.gguf or checkpoint sharing the vocabulary), "
+                        "layers:N (the target's first N layers), or ngram[:N] (prompt lookup)")
+    p.add_argument("--num-draft", default="4", metavar="K|auto",
+                   help="draft tokens per step with --draft (default 4); auto adapts K in 1,2,4,8")
+    from .jobs import add_job_arguments
+
+    add_job_arguments(p)  # --input/--output batch jobs (jobs.py)
     return p
 
 
@@ -73,6 +81,12 @@ def _run(args) -> int:
     if args.list_kernels:
         print(_list_kernels())
         return 0
+    if args.input is not None or args.output is not None:
+        from .jobs import JobError, run_job_from_args
+
+        if args.input is None:
+            raise JobError("--output needs --input FILE")
+        return run_job_from_args(args)
     if args.prompt is None:
         raise EmptyPromptError("no prompt: pass --prompt TEXT")
     if not args.prompt.strip():
@@ -80,7 +94,8 @@ def _run(args) -> int:
     params = _params(args)  # validate before the (slow) model load
     from .llm import LLM
 
-    llm = LLM(args.model, kernels=args.kernels, max_context=args.max_context, use_checkpoint=not args.no_checkpoint)
+    llm = LLM(args.model, kernels=args.kernels, max_context=args.max_context, use_checkpoint=not args.no_checkpoint,
+              draft=args.draft, num_draft=args.num_draft)
     prompt = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])
@@ -107,4 +122,8 @@ def _run(args) -> int:
           f"prefill {s['prompt_tokens']} tok at {s['prefill_tok_s']:.1f} tok/s | "
           f"decode {s['completion_tokens']} tok at {s['decode_tok_s']:.1f} tok/s | finish: {s['finish_reason']}",
           file=sys.stderr)
+    if s.get("speculative"):
+        from .speculative import format_stats
+
+        print(format_stats(s["speculative"]), file=sys.stderr)
     return 0

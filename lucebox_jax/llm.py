@@ -67,7 +67,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, kernels=None, kernels_module: str | None = None,
                  dtype: str | None = None, max_context: int | None = None, max_batch: int = 32, seed: int = 0,
-                 use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128):
+                 use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128,
+                 draft=None, num_draft: int | str = 4):
         t0 = time.perf_counter()
         if compilation_cache:
             enable_compilation_cache()
@@ -81,6 +82,11 @@ class LLM:
             cfg = cfg.replace(max_context=min(cfg.max_context, max_context))
         self.tokenizer = Tokenizer.from_gguf_metadata(tok_meta)
         self.engine = Engine(cfg, weights, kernel_set)
+        self.spec = None  # speculative decoding (speculative.py): draft "layers:N" | "ngram" | "model:PATH"
+        if draft is not None:
+            from .speculative import SpeculativeDecoder
+
+            self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer)
         self.max_batch = max_batch
         self._rng = np.random.default_rng(seed)
         self.load_seconds = time.perf_counter() - t0
@@ -172,7 +178,8 @@ class LLM:
         t0 = time.perf_counter()
         c0 = eng.compile_seconds
         row_max = np.array([min(r.params.max_tokens, cfg.max_context - len(r.ids)) for r in reqs], np.int32)
-        cache = eng.new_cache(b, eng.cache_len_for(max(len(r.ids) + m for r, m in zip(reqs, row_max))))
+        need = max(len(r.ids) + m for r, m in zip(reqs, row_max))
+        cache = eng.new_cache(b, self.spec.cache_len(need) if self.spec else eng.cache_len_for(need))
         want_prompt_lp = any(r.params.prompt_logprobs is not None for r in reqs)
         n_lp = max([r.params.logprobs or 0 for r in reqs] + [0])
         rp = RowParams.from_params([dataclasses.replace(r.params, seed=r.seed) for r in reqs])
@@ -181,7 +188,10 @@ class LLM:
         seen = eng.new_seen([r.ids for r in reqs])
         first, seen = eng.first_token(last, rp, lens, seen, n_lp)
         stop_ids = set().union(*[self._stop_ids(r.params) for r in reqs])
-        bufs, count, cache, _ = eng.loop(cache, first, rp, seen, stop_ids, row_max, n_lp)
+        if self.spec is not None:
+            bufs, count, cache = self.spec.loop(cache, [r.ids for r in reqs], first, rp, seen, stop_ids, row_max, n_lp)
+        else:
+            bufs, count, cache, _ = eng.loop(cache, first, rp, seen, stop_ids, row_max, n_lp)
         toks, count = np.asarray(bufs.tokens), np.asarray(count)
         dt = time.perf_counter() - t0 - (eng.compile_seconds - c0)
         outs = []
@@ -198,6 +208,8 @@ class LLM:
                                       metrics={"batch_seconds": dt, "batch_size": b}))
         self.last_stats = {"seconds": dt, "completion_tokens": int(count.sum()), "batch": b,
                            "compile_seconds": eng.compile_seconds - c0}
+        if self.spec is not None:
+            self.last_stats["speculative"] = self.spec.last_stats
         return outs
 
     def _finish(self, r: _Request, ids: list[int], row_max: int) -> CompletionOutput:
@@ -260,12 +272,14 @@ class LLM:
         stop_ids = self._stop_ids(params)
         c0 = eng.compile_seconds
         t0 = time.perf_counter()
-        cache = eng.new_cache(1, eng.cache_len_for(len(r.ids) + max_new))
+        cache = eng.new_cache(1, self.spec.cache_len(len(r.ids) + max_new) if self.spec else
+                              eng.cache_len_for(len(r.ids) + max_new))
         rp = RowParams.from_params([dataclasses.replace(params, seed=r.seed)])
         last, _, cache = eng.prefill(cache, [r.ids])
         seen = eng.new_seen([r.ids])
         out, seen = eng.first_token(last, rp, [len(r.ids)], seen)
         pending = [int(out.tokens[0])]
+        spec_it = self.spec.stream_chunks(cache, [r.ids], out, rp, seen, stop_ids, max_new) if self.spec else None
         t_first = time.perf_counter()
         c1 = eng.compile_seconds
         dec = StreamDecoder(self.tokenizer)
@@ -292,6 +306,12 @@ class LLM:
                 emitted = safe
             if finish:
                 break
+            if spec_it is not None:  # speculative: the tokens of a few draft + verify steps
+                pending = next(spec_it, None)
+                if pending is None:
+                    finish = "length"
+                    break
+                continue
             n = min(chunk, max_new - len(ids))
             bufs, count, cache, seen = eng.loop(cache, StepOut.of_tokens(jnp.asarray([ids[-1]], jnp.int32)), rp,
                                                 seen, stop_ids, np.array([n + 1], np.int32))
@@ -311,6 +331,8 @@ class LLM:
             "prefill_tok_s": len(r.ids) / prefill_s,
             "decode_tok_s": (len(ids) - 1) / decode_s if len(ids) > 1 else 0.0,
         }
+        if self.spec is not None:
+            self.last_stats["speculative"] = self.spec.last_stats
 
 
 def _find_stop(text: str, stops) -> tuple[int, str] | None:

@@ -1,0 +1,571 @@
+"""Batch generation jobs over JSONL: `python run.py --input requests.jsonl --output results.jsonl`.
+
+Input: one JSON object a line, `{"id": ..., "prompt": "..."}` or `{"id": ..., "messages": [{"role", "content"}]}`
+(`custom_id` is accepted for `id`), with optional sampling fields (max_tokens, temperature, top_p, top_k, min_p, seed,
+stop, repetition_penalty, stop_token_ids, ignore_eos) overriding the command line's values. Blank lines are ignored.
+
+Output: one JSON object a line, written (flushed and fsync'ed) as each request finishes:
+  {"id", "text", "finish_reason", "usage": {"prompt_tokens", "completion_tokens", "total_tokens"}[, "token_ids"]}
+or, for a request that cannot run, {"id" (null when unknown), "line", "error": {"type", "message"}}.
+
+Resume: a rerun of the same command skips what the output already holds (complete, parseable lines only; a torn last
+line from a crash is cut off first): requests by id, and line-level errors (bad JSON, missing or duplicate id) by line
+number. So an interrupted job loses only its in-flight requests and a rerun duplicates nothing.
+
+Generation goes through `scheduler.Scheduler` (continuous batching over a fixed number of slots).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+import zlib
+from typing import Iterator
+
+from .errors import InvalidSamplingParamsError, LuceboxError
+from .sampling import SamplingParams
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
+                   "stop_token_ids", "ignore_eos")
+# errors recorded by input line (the request has no usable id of its own): resumed by line number
+LINE_ERRORS = ("invalid_json", "invalid_request", "missing_id", "invalid_id", "duplicate_id")
+
+
+class JobError(LuceboxError):
+    """The job cannot start (missing input, unwritable output, bad flags)."""
+
+
+# ---------------------------------------------------------------------------------------------------- parsing
+@dataclasses.dataclass
+class Item:
+    """One non-blank input line: a request to run or an error to record."""
+
+    line: int
+    id: object = None
+    key: str | None = None  # canonical id (json.dumps), for duplicate detection and resume
+    prompt: str | None = None
+    messages: list | None = None
+    params: SamplingParams | None = None
+    error: tuple[str, str] | None = None  # (type, message)
+    seq: int = -1  # position among this run's pending items (for --ordered)
+
+
+def id_key(v) -> str:
+    return json.dumps(v, ensure_ascii=False, sort_keys=True)
+
+
+def _valid_id(v) -> bool:
+    return (isinstance(v, str) and v != "") or (isinstance(v, int) and not isinstance(v, bool))
+
+
+def parse_line(line_no: int, text: str, defaults: dict, seen: dict[str, int]) -> Item:
+    """Parse and validate one input line (no tokenizer needed). `seen`: id key -> first line, updated here."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        return Item(line_no, error=("invalid_json", f"line {line_no}: invalid JSON: {e}"))
+    if not isinstance(obj, dict):
+        return Item(line_no, error=("invalid_request", f"line {line_no}: a request is a JSON object, got "
+                                                       f"{type(obj).__name__}"))
+    rid = obj.get("id", obj.get("custom_id"))
+    if rid is None:
+        return Item(line_no, error=("missing_id", f"line {line_no}: no 'id' (or 'custom_id')"))
+    if not _valid_id(rid):
+        return Item(line_no, error=("invalid_id", f"line {line_no}: 'id' must be a non-empty string or an integer, "
+                                                  f"got {rid!r}"))
+    key = id_key(rid)
+    if key in seen:
+        return Item(line_no, id=rid, key=key,
+                    error=("duplicate_id", f"line {line_no}: id {rid!r} already used on line {seen[key]}"))
+    seen[key] = line_no
+    it = Item(line_no, id=rid, key=key)
+    has_p, has_m = "prompt" in obj, "messages" in obj
+    if has_p == has_m:
+        it.error = ("invalid_request", f"line {line_no}: give exactly one of 'prompt' and 'messages'"
+                    if has_p else f"line {line_no}: no 'prompt' or 'messages'")
+        return it
+    if has_p:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            it.error = ("invalid_request", f"line {line_no}: 'prompt' must be a non-empty string")
+            return it
+        it.prompt = obj["prompt"]
+    else:
+        msgs = obj["messages"]
+        if (not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs)):
+            it.error = ("invalid_request", f"line {line_no}: 'messages' must be a non-empty list of "
+                                           "{\"role\": str, \"content\": str} objects")
+            return it
+        it.messages = msgs
+    kw = dict(defaults)
+    kw.update({k: obj[k] for k in SAMPLING_FIELDS if k in obj})
+    try:
+        if kw.get("stop") is not None and not (isinstance(kw["stop"], str) or (
+                isinstance(kw["stop"], list) and all(isinstance(s, str) for s in kw["stop"]))):
+            raise InvalidSamplingParamsError(f"stop must be a string or a list of strings, got {kw['stop']!r}")
+        if kw.get("stop_token_ids") is not None and not (isinstance(kw["stop_token_ids"], list) and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in kw["stop_token_ids"])):
+            raise InvalidSamplingParamsError(f"stop_token_ids must be a list of integers, got {kw['stop_token_ids']!r}")
+        if "ignore_eos" in kw and not isinstance(kw["ignore_eos"], bool):
+            raise InvalidSamplingParamsError(f"ignore_eos must be true or false, got {kw['ignore_eos']!r}")
+        it.params = SamplingParams(**kw)
+    except (InvalidSamplingParamsError, TypeError) as e:
+        it.error = ("invalid_sampling_params", f"line {line_no}: {e}")
+    return it
+
+
+def read_input(path: str, defaults: dict) -> list[Item]:
+    if not os.path.isfile(path):
+        raise JobError(f"input file not found: {path}")
+    items, seen = [], {}
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                items.append(Item(n, error=("invalid_json", f"line {n}: not UTF-8: {e}")))
+                continue
+            if text.strip():
+                items.append(parse_line(n, text, defaults, seen))
+    return items
+
+
+# ---------------------------------------------------------------------------------------------------- resume
+def scan_output(path: str, repair: bool = True) -> tuple[set[str], set[int]]:
+    """Ids and error lines already recorded in `path`. A torn last line (no newline at the end: a crash mid-write)
+    is cut off when `repair`; unparseable complete lines are ignored (they count as not done)."""
+    done_ids: set[str] = set()
+    done_lines: set[int] = set()
+    if not os.path.exists(path):
+        return done_ids, done_lines
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    if end < len(data) and repair:
+        with open(path, "r+b") as f:
+            f.truncate(end)
+            f.flush()
+            os.fsync(f.fileno())
+    for raw in data[:end].splitlines():
+        try:
+            rec = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if not isinstance(rec, dict):
+            continue
+        err = rec.get("error")
+        rid = rec.get("id", rec.get("custom_id"))
+        if isinstance(err, dict) and (err.get("type") in LINE_ERRORS or rid is None):
+            if isinstance(rec.get("line"), int):
+                done_lines.add(rec["line"])
+        elif _valid_id(rid):
+            done_ids.add(id_key(rid))
+    return done_ids, done_lines
+
+
+def is_done(it: Item, done_ids: set[str], done_lines: set[int]) -> bool:
+    if it.error is not None and (it.error[0] in LINE_ERRORS or it.key is None):
+        return it.line in done_lines
+    return it.key in done_ids
+
+
+# ---------------------------------------------------------------------------------------------------- output
+class _Signals:
+    """SIGINT/SIGTERM raise KeyboardInterrupt, but never in the middle of writing a record."""
+
+    def __init__(self):
+        self.critical = 0
+        self.pending = False
+        self.old = {}
+
+    def __enter__(self):
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.old[s] = signal.signal(s, self._handler)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self.old.items():
+            signal.signal(s, h)
+
+    def _handler(self, signum, frame):
+        if self.critical:
+            self.pending = True
+        else:
+            raise KeyboardInterrupt
+
+    def enter(self):
+        self.critical += 1
+
+    def leave(self):
+        self.critical -= 1
+        if self.pending and not self.critical:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+class ResultWriter:
+    """Appends records to the output; `ordered`: in `seq` order, each written as soon as all before it are."""
+
+    def __init__(self, path: str, ordered: bool, signals: _Signals | None = None):
+        self.path = path
+        self.ordered = ordered
+        self.signals = signals
+        self.f = None
+        self.next_seq = 0
+        self.pending: dict[int, dict] = {}
+        self.written = 0
+        self.dirty = False
+
+    def _open(self):
+        if self.f is None:
+            self.f = open(self.path, "a", encoding="utf-8")
+
+    def put(self, seq: int, rec: dict) -> int:
+        """Queue a record; returns how many records got written by this call."""
+        if not self.ordered:
+            self._write(rec)
+            return 1
+        self.pending[seq] = rec
+        n = 0
+        while self.next_seq in self.pending:
+            self._write(self.pending.pop(self.next_seq))
+            self.next_seq += 1
+            n += 1
+        return n
+
+    def _write(self, rec: dict):
+        self._open()
+        line = json.dumps(rec, ensure_ascii=False) + "\n"
+        if self.signals:
+            self.signals.enter()
+        try:
+            self.f.write(line)
+            self.f.flush()
+        finally:
+            if self.signals:
+                self.signals.leave()
+        self.written += 1
+        self.dirty = True
+
+    def commit(self):
+        """fsync what was written (once per scheduler round, not once per record)."""
+        if self.f is not None and self.dirty:
+            os.fsync(self.f.fileno())
+            self.dirty = False
+
+    def close(self):
+        if self.f is not None:
+            self.commit()
+            self.f.close()
+            self.f = None
+
+
+def error_record(it: Item, etype: str, msg: str) -> dict:
+    return {"id": it.id, "line": it.line, "error": {"type": etype, "message": msg}}
+
+
+# ---------------------------------------------------------------------------------------------------- job
+@dataclasses.dataclass
+class JobConfig:
+    input: str
+    output: str
+    token_ids: bool = False
+    ordered: bool = False
+    quiet: bool = False
+    slots: int | None = None
+    max_context: int | None = None
+    steps_per_call: int | None = None
+    seed: int = 0
+    defaults: dict = dataclasses.field(default_factory=dict)  # SamplingParams fields
+
+
+@dataclasses.dataclass
+class JobSummary:
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0
+    lost: int = 0  # in flight when interrupted
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_seconds: float = 0.0
+    gen_seconds: float = 0.0
+    load_seconds: float = 0.0
+    compile_seconds: float = 0.0
+    interrupted: bool = False
+    slots: int = 0
+    max_context: int = 0
+
+    def line(self) -> str:
+        tps = self.completion_tokens / self.gen_seconds if self.gen_seconds > 0 else 0.0
+        s = (f"job: {self.ok} ok, {self.failed} failed, {self.skipped} skipped (already in output)"
+             f"{f', {self.lost} in flight lost (interrupted; rerun to finish)' if self.interrupted else ''} | "
+             f"tokens: {self.prompt_tokens} prompt, {self.completion_tokens} completion | {tps:.1f} tok/s | "
+             f"wall {self.wall_seconds:.1f} s")
+        if self.slots:
+            s += (f" (load {self.load_seconds:.1f} s, compile {self.compile_seconds:.1f} s, generation "
+                  f"{self.gen_seconds:.1f} s; {self.slots} slots, context {self.max_context})")
+        return s
+
+
+def default_shape(engine, slots: int | None = None, max_context: int | None = None) -> tuple[int, int]:
+    """(slots, max_context) for this device: on the CPU 8 slots and 2048 tokens; on a GPU 4096 tokens and as many
+    slots (<= 128, a power of two) as half the free memory holds in KV cache."""
+    import jax
+
+    cfg = engine.cfg
+    gpu = jax.default_backend() != "cpu"
+    ctx = min(cfg.max_context, max_context or (4096 if gpu else 2048))
+    if slots is None:
+        slots = 8
+        if gpu:
+            try:
+                st = jax.devices()[0].memory_stats() or {}
+                free = st.get("bytes_limit", 0) - st.get("bytes_in_use", 0)
+                item = 2 if cfg.dtype in ("bfloat16", "float16") else 4
+                per_slot = cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * item * ctx + cfg.vocab_size
+                n = int(0.5 * free // max(per_slot, 1))
+                slots = max(1, min(128, 1 << max(0, n.bit_length() - 1))) if n > 0 else 1
+            except Exception:  # noqa: BLE001 - memory stats are best effort
+                slots = 32
+    return slots, ctx
+
+
+class _ChatRenderer:
+    """The model's chat template compiled once (Tokenizer.apply_chat_template compiles it on every call)."""
+
+    def __init__(self, tok):
+        self.tok = tok
+        self.tmpl = None
+        try:
+            from .tokenizer import _jinja_env
+
+            if tok.chat_template:
+                self.tmpl = _jinja_env().from_string(tok.chat_template)
+                name = lambda i: tok._tokens[i] if i is not None else ""  # noqa: E731
+                self.vars = {"bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
+                             "unk_token": name(tok.unk_id), "pad_token": name(tok.pad_id)}
+        except Exception:  # noqa: BLE001 - fall back to the tokenizer's own path
+            self.tmpl = None
+
+    def __call__(self, messages) -> str:
+        if self.tmpl is None:
+            return self.tok.apply_chat_template(messages, add_generation_prompt=True)
+        return self.tmpl.render(**self.vars, messages=[dict(m) for m in messages], add_generation_prompt=True)
+
+
+def _fmt_id(v) -> str:
+    return repr(v) if isinstance(v, str) else str(v)
+
+
+def run_job(cfg: JobConfig, llm=None, loader=None, log=None) -> tuple[int, JobSummary]:
+    """Run a job; returns (exit status, summary). The model is `llm`, or `loader()` (default: the embedded model)
+    called only when some request is left to run."""
+    t_start = time.perf_counter()
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    summ = JobSummary()
+    if os.path.abspath(cfg.input) == os.path.abspath(cfg.output):
+        raise JobError("--output must not be the --input file")
+    out_dir = os.path.dirname(os.path.abspath(cfg.output))
+    if not os.path.isdir(out_dir):
+        raise JobError(f"output folder does not exist: {out_dir}")
+    items = read_input(cfg.input, cfg.defaults)
+    if not items:
+        log(f"{cfg.input}: no requests (the file is empty); nothing to do")
+        return 0, summ
+    done_ids, done_lines = scan_output(cfg.output)
+    todo = [it for it in items if not is_done(it, done_ids, done_lines)]
+    summ.skipped = len(items) - len(todo)
+    if not todo:
+        summ.wall_seconds = time.perf_counter() - t_start
+        log(f"{cfg.output}: all {len(items)} requests already done; nothing to do")
+        log(summ.line())
+        return 0, summ
+    for i, it in enumerate(todo):
+        it.seq = i
+    if llm is None:
+        if not cfg.quiet:
+            log(f"{len(todo)} requests to run ({summ.skipped} already in {cfg.output}); loading the model ...")
+        if loader is None:
+            from .llm import LLM
+
+            llm = LLM(max_context=cfg.max_context)
+        else:
+            llm = loader()
+        summ.load_seconds = getattr(llm, "load_seconds", 0.0)
+    return _generate(cfg, llm, todo, summ, t_start, log)
+
+
+def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: float, log):
+    import jax
+
+    from .llm import _Request
+    from .llm import _find_stop
+    from .scheduler import Scheduler, SlotRequest
+
+    eng, tok = llm.engine, llm.tokenizer
+    slots, ctx = default_shape(eng, cfg.slots, cfg.max_context)
+    steps = cfg.steps_per_call or (8 if jax.default_backend() == "cpu" else 16)
+    max_len = -(-ctx // 64) * 64
+    summ.slots, summ.max_context = slots, ctx
+    chat = _ChatRenderer(tok)
+
+    def stop_check(r: SlotRequest, ids: list[int]) -> bool:
+        stops = r.params.stop
+        if not stops:
+            return False
+        text = tok.decode([t for t in ids if t not in r.stop_ids], skip_special=True)
+        return _find_stop(text, stops) is not None
+
+    sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps,
+                      max_prefill_batch=min(8, slots), stop_check=stop_check)
+    signals = _Signals()
+    writer = ResultWriter(cfg.output, cfg.ordered, signals)
+    bar = None
+    if not cfg.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(todo), unit="req", desc="batch", file=sys.stderr, dynamic_ncols=True)
+    in_flight: set[int] = set()
+    c0 = eng.compile_seconds
+    t_gen = time.perf_counter()
+
+    def emit(it: Item, rec: dict, ok: bool):
+        if ok:
+            summ.ok += 1
+        else:
+            summ.failed += 1
+        n = writer.put(it.seq, rec)
+        if bar is not None and n:
+            bar.update(n)
+
+    def requests() -> Iterator[SlotRequest]:
+        for it in todo:
+            if it.error is not None:
+                emit(it, error_record(it, *it.error), False)
+                continue
+            try:
+                text = it.prompt if it.prompt is not None else chat(it.messages)
+                ids = tok.encode(text)
+            except LuceboxError as e:
+                emit(it, error_record(it, "invalid_messages" if it.messages else "invalid_request",
+                                      f"line {it.line}: {e}"), False)
+                continue
+            except Exception as e:  # noqa: BLE001 - a template bug must not stop the job
+                emit(it, error_record(it, "chat_template_error", f"line {it.line}: {type(e).__name__}: {e}"), False)
+                continue
+            if not ids:
+                emit(it, error_record(it, "empty_prompt", f"line {it.line}: the prompt has no tokens"), False)
+                continue
+            if len(ids) >= ctx:
+                emit(it, error_record(it, "prompt_too_long",
+                                      f"line {it.line}: prompt has {len(ids)} tokens but the context limit is {ctx} "
+                                      "tokens (prompt plus at least one generated token)"), False)
+                continue
+            bad = [t for t in it.params.stop_token_ids or [] if not 0 <= t < eng.cfg.vocab_size]
+            if bad:
+                emit(it, error_record(it, "invalid_sampling_params",
+                                      f"line {it.line}: stop token id {bad[0]} outside the vocabulary"), False)
+                continue
+            p = it.params
+            if p.seed is None:
+                p = dataclasses.replace(p, seed=zlib.crc32(f"{cfg.seed}:{it.key}".encode()) & 0x7FFFFFFF)
+            in_flight.add(it.seq)
+            yield SlotRequest(key=(it, len(ids)), ids=ids, params=p, stop_ids=frozenset(llm._stop_ids(p)),
+                              max_new=min(p.max_tokens, ctx - len(ids)))
+        writer.commit()
+
+    interrupted = False
+    try:
+        with signals:
+            for finished in sched.run(requests()):
+                for f in finished:
+                    it, n_prompt = f.request.key
+                    comp = llm._finish(_Request(it.prompt, f.request.ids, f.request.params, f.request.params.seed),
+                                       f.token_ids, f.request.max_new)
+                    rec = {"id": it.id, "text": comp.text, "finish_reason": comp.finish_reason,
+                           "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(comp.token_ids),
+                                     "total_tokens": n_prompt + len(comp.token_ids)}}
+                    if cfg.token_ids:
+                        rec["token_ids"] = comp.token_ids
+                    in_flight.discard(it.seq)
+                    summ.prompt_tokens += n_prompt
+                    summ.completion_tokens += len(comp.token_ids)
+                    emit(it, rec, True)
+                writer.commit()
+                if bar is not None:
+                    dt = time.perf_counter() - t_gen - (eng.compile_seconds - c0)
+                    bar.set_postfix_str(f"{summ.completion_tokens / max(dt, 1e-9):.1f} tok/s", refresh=False)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if bar is not None:
+            bar.close()
+        writer.close()
+    summ.compile_seconds = eng.compile_seconds - c0
+    summ.gen_seconds = max(time.perf_counter() - t_gen - summ.compile_seconds, 1e-9)
+    summ.wall_seconds = time.perf_counter() - t_start
+    if interrupted:
+        summ.interrupted = True
+        summ.lost = len(todo) - summ.ok - summ.failed
+        log("interrupted: results so far are in the output; rerun the same command to finish the rest")
+    log(summ.line())
+    return (130 if interrupted else 0), summ
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def add_job_arguments(p):
+    g = p.add_argument_group("batch jobs (JSONL)")
+    g.add_argument("--input", "-i", help="JSONL file of requests: run them as a batch job (see README)")
+    g.add_argument("--output", "-o", help="JSONL file the results are appended to (needed with --input; "
+                                         "rerunning skips ids already in it)")
+    g.add_argument("--token-ids", action="store_true", help="also write each completion's token ids")
+    g.add_argument("--ordered", action="store_true", help="write results in input order (default: as they finish)")
+    g.add_argument("--quiet", "-q", action="store_true", help="no progress bar or logs, only the final summary")
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="decode slots (requests generated at once; default: 8 on the CPU, from free memory on a GPU)")
+    g.add_argument("--steps-per-call", type=int, default=None,
+                   help="decode steps per device call between checks for finished requests (default 8 CPU, 16 GPU)")
+
+
+def job_config_from_args(args) -> JobConfig:
+    if args.prompt is not None:
+        raise JobError("--prompt and --input are mutually exclusive")
+    if not args.output:
+        raise JobError("--input needs --output FILE (results are appended to it)")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise JobError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.steps_per_call is not None and args.steps_per_call < 1:
+        raise JobError(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
+    if args.max_context is not None and args.max_context < 2:
+        raise JobError(f"--max-context must be >= 2, got {args.max_context}")
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                    min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
+    SamplingParams(**defaults)  # bad command-line values fail before anything runs
+    return JobConfig(input=args.input, output=args.output, token_ids=args.token_ids, ordered=args.ordered,
+                     quiet=args.quiet, slots=args.batch_size, max_context=args.max_context,
+                     steps_per_call=args.steps_per_call, seed=args.seed or 0, defaults=defaults)
+
+
+def run_job_from_args(args) -> int:
+    cfg = job_config_from_args(args)
+    if cfg.quiet:
+        import logging
+
+        logging.getLogger().setLevel(logging.ERROR)
+
+    def loader():
+        from .llm import LLM
+
+        return LLM(args.model, kernels=args.kernels, max_context=args.max_context,
+                   use_checkpoint=not args.no_checkpoint)
+
+    status, _ = run_job(cfg, loader=loader)
+    return status

@@ -1,0 +1,368 @@
+"""Continuous batching over a fixed number of slots (static shapes), array level: no tokenizer, no file I/O.
+
+The device holds one `SlotState`: a KV cache [slots, Hkv, S, D] per layer, each slot's newest token, seen-token mask,
+sampling parameters (`RowParams` rows), generated-token count, token budget, stop ids and a done flag. The host loop
+(`Scheduler.run`) repeats:
+
+1. admit: waiting requests go into free slots, up to `max_prefill_batch` at a time. They are prefilled together into
+   a small cache [P, Hkv, S_p, D] (P a power of two, padded with copies of the last request; S_p a power of two of
+   the padded prompt length), their first tokens sampled, and `insert_rows` (big state donated) writes each row into
+   its slot with `dynamic_update_slice` along the batch axis.
+2. decode: `decode_chunk` runs up to `steps_per_call` decode steps of every slot in one on-device `while_loop`,
+   leaving early when every slot is done or when enough slots finished to be worth a refill. Done and empty slots
+   still compute (static shapes) but neither advance their cache length nor change anything the host reads.
+3. the host reads the chunk's tokens [slots, steps], appends them to each request, retires finished requests (stop
+   token, token budget, or the caller's `stop_check`, e.g. stop strings) and frees their slots for step 1.
+
+Sampling is per row and seeded per (seed, position) as in `sampling.py`, so a request's output does not depend on
+which slot it ran in or what else was in the batch.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .engine import MIN_CACHE, PREFILL_CHUNK, Engine, bucket, pow2_at_least, prefill_step
+from .model import KVCache, forward
+from .sampling import RowParams, SamplingParams, sample
+
+
+@struct.dataclass
+class SlotState:
+    cache: KVCache
+    tokens: jax.Array  # [B] newest token of each slot: the input of its next decode step
+    seen: jax.Array  # [B, V] bool, tokens seen so far (repetition penalty)
+    rp: RowParams
+    done: jax.Array  # [B] bool: finished or empty
+    count: jax.Array  # [B] int32 tokens generated so far
+    row_max: jax.Array  # [B] int32 token budget
+    stop_ids: jax.Array  # [B, K] int32, padded with -1
+
+
+def init_state(engine: Engine, slots: int, max_len: int, n_stop: int = 8) -> SlotState:
+    def z():  # a fresh buffer each time: one buffer must not be donated twice
+        return jnp.zeros((slots,), jnp.int32)
+
+    rp = RowParams(temperature=jnp.zeros((slots,), jnp.float32), top_k=z(), top_p=jnp.ones((slots,), jnp.float32),
+                   min_p=jnp.zeros((slots,), jnp.float32), rep_penalty=jnp.ones((slots,), jnp.float32),
+                   keys=jnp.zeros((slots, 2), jnp.uint32))
+    return SlotState(cache=engine.new_cache(slots, max_len), tokens=z(),
+                     seen=jnp.zeros((slots, engine.cfg.vocab_size), bool), rp=rp, done=jnp.ones((slots,), bool),
+                     count=z(), row_max=z(), stop_ids=jnp.full((slots, n_stop), -1, jnp.int32))
+
+
+def _is_stop(tok, stop_ids):
+    return jnp.any(tok[:, None] == stop_ids, axis=-1)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "n_steps"), donate_argnames=("state",))
+def decode_chunk(cfg, kernels, weights, state: SlotState, retire, exit_after, n_steps: int):
+    """Up to n_steps decode steps of every slot. retire [B] bool: slots the host finished (marked done first).
+    Leaves early when every slot is done or when `exit_after` slots finished in this call.
+    Returns (state, tokens [B, n_steps] with -1 where a slot produced nothing)."""
+    b = state.tokens.shape[0]
+    state = state.replace(done=state.done | retire)
+    done0 = state.done
+    buf = jnp.full((b, n_steps), -1, jnp.int32)
+    rows = jnp.arange(b)
+
+    def cond(c):
+        i, st, _ = c
+        newly = jnp.sum((st.done & ~done0).astype(jnp.int32))
+        return (i < n_steps) & ~jnp.all(st.done) & (newly < exit_after)
+
+    def body(c):
+        i, st, buf = c
+        pos = st.cache.lengths
+        live = ~st.done
+        logits, cache = forward(cfg, kernels, weights, st.cache, st.tokens[:, None], pos,
+                                last_only=jnp.zeros_like(pos))
+        tok = sample(logits, st.rp, pos + 1, st.seen)
+        cache = cache.replace(lengths=jnp.where(live, pos + 1, pos))  # done/empty slots stay where they are
+        seen = st.seen.at[rows, tok].set(st.seen[rows, tok] | live)
+        buf = jax.lax.dynamic_update_index_in_dim(buf, jnp.where(live, tok, -1), i, axis=1)
+        count = st.count + live.astype(jnp.int32)
+        done = st.done | (live & (_is_stop(tok, st.stop_ids) | (count >= st.row_max)))
+        st = st.replace(cache=cache, tokens=jnp.where(live, tok, st.tokens), seen=seen, done=done, count=count)
+        return i + 1, st, buf
+
+    _, state, buf = jax.lax.while_loop(cond, body, (jnp.int32(0), state, buf))
+    return state, buf
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def insert_rows(state: SlotState, small: KVCache, slots, first, seen, rp: RowParams, row_max, stop_ids, done):
+    """Write prefilled rows p = 0..P-1 of `small` (cache [P, Hkv, S_p, D]) and their per-row values into slots[p] of
+    the big state. Positions past min(S_p, S) are not copied (they lie past each prompt's end)."""
+    s_ins = min(small.max_len, state.cache.max_len)
+    n = first.shape[0]
+
+    def put(big, rows, p, slot):
+        row = jax.lax.dynamic_slice_in_dim(rows, p, 1, axis=0)
+        return jax.lax.dynamic_update_slice_in_dim(big, row, slot, axis=0)
+
+    def body(p, st):
+        slot = slots[p]
+
+        def put_kv(big, rows):
+            row = jax.lax.dynamic_slice_in_dim(rows, p, 1, axis=0)[:, :, :s_ins]
+            return jax.lax.dynamic_update_slice(big, row, (slot, 0, 0, 0))
+
+        cache = KVCache(k=tuple(put_kv(bk, sk) for bk, sk in zip(st.cache.k, small.k)),
+                        v=tuple(put_kv(bv, sv) for bv, sv in zip(st.cache.v, small.v)),
+                        lengths=put(st.cache.lengths, small.lengths, p, slot))
+        return st.replace(
+            cache=cache, tokens=put(st.tokens, first, p, slot), seen=put(st.seen, seen, p, slot),
+            rp=jax.tree_util.tree_map(lambda a, r: put(a, r, p, slot), st.rp, rp),
+            done=put(st.done, done, p, slot), count=put(st.count, jnp.ones_like(first), p, slot),
+            row_max=put(st.row_max, row_max, p, slot), stop_ids=put(st.stop_ids, stop_ids, p, slot))
+
+    return jax.lax.fori_loop(0, n, body, state)
+
+
+@dataclasses.dataclass
+class SlotRequest:
+    """One request for the scheduler: prompt ids, sampling params (seed set), stop token ids and token budget
+    (max_new <= the cache length minus the prompt length). `key` is the caller's handle, returned as is."""
+
+    key: object
+    ids: list[int]
+    params: SamplingParams
+    stop_ids: frozenset = frozenset()
+    max_new: int = 16
+
+
+@dataclasses.dataclass
+class Finished:
+    request: SlotRequest
+    token_ids: list[int]  # generated ids, up to and including a stop id
+    finish_reason: str  # "stop": a stop id; "length": the token budget; "check": the caller's stop_check
+
+
+@dataclasses.dataclass
+class _Active:
+    req: SlotRequest
+    ids: list[int]
+
+
+class Scheduler:
+    """Continuous batching of `SlotRequest`s over `slots` cache rows of `max_len` positions.
+
+        sched = Scheduler(engine, slots=8, max_len=2048)
+        for finished in sched.run(requests):      # one list per host round, in completion order
+            ...
+    """
+
+    def __init__(self, engine: Engine, slots: int = 8, max_len: int = 2048, steps_per_call: int = 8,
+                 max_prefill_batch: int = 8, prefill_tokens: int = 8192,
+                 stop_check: Callable[[SlotRequest, list[int]], bool] | None = None,
+                 prefill_sizes: tuple[int, ...] | None = None, min_prefill_len: int = 0):
+        if slots < 1 or max_len < 2 or steps_per_call < 1:
+            raise ValueError(f"bad scheduler shape: slots={slots}, max_len={max_len}, steps={steps_per_call}")
+        self.engine = engine
+        self.slots = slots
+        self.max_len = max_len
+        self.steps_per_call = steps_per_call
+        self.max_prefill_batch = max(1, min(max_prefill_batch, slots))
+        self.prefill_tokens = prefill_tokens
+        self.stop_check = stop_check
+        # prefill group sizes compiled (a group is padded up to the next one) and the smallest prompt bucket:
+        # fewer sizes, fewer compiles, more padding
+        self.prefill_sizes = tuple(sorted(prefill_sizes or [1 << i for i in range(8) if 1 << i < self.max_prefill_batch]
+                                          + [pow2_at_least(self.max_prefill_batch)]))
+        self.min_prefill_len = min_prefill_len
+        self.state: SlotState | None = None
+        self.stats = collections.Counter()
+
+    # ------------------------------------------------------------------ device calls
+    def _call(self, key, fn, *args, **kw):
+        return self.engine._timed_first(key, fn, *args, **kw)
+
+    def _ensure_state(self, n_stop: int):
+        if self.state is None:
+            self.state = init_state(self.engine, self.slots, self.max_len, max(8, pow2_at_least(n_stop)))
+        elif n_stop > self.state.stop_ids.shape[1]:
+            k = pow2_at_least(n_stop)
+            pad = jnp.full((self.slots, k - self.state.stop_ids.shape[1]), -1, jnp.int32)
+            self.state = self.state.replace(stop_ids=jnp.concatenate([self.state.stop_ids, pad], axis=1))
+
+    def _admit(self, group: list[SlotRequest], slots: list[int]) -> list[int]:
+        """Prefill `group` into `slots`; returns their first tokens."""
+        eng = self.engine
+        n = len(group)
+        p = next((x for x in self.prefill_sizes if x >= n), pow2_at_least(n))
+        reqs = group + [group[-1]] * (p - n)
+        slot_ids = slots + [slots[-1]] * (p - n)
+        self._ensure_state(max(len(r.stop_ids) for r in reqs))
+        prompts = [r.ids for r in reqs]
+        cache = eng.new_cache(p, _prefill_len(max(self.min_prefill_len, max(len(x) for x in prompts))))
+        last, cache = self._prefill(cache, prompts)
+        rp = RowParams.from_params([r.params for r in reqs])
+        lens = np.array([len(x) for x in prompts], np.int32)
+        first, seen = eng.first_token(last, rp, lens, eng.new_seen(prompts))
+        k = self.state.stop_ids.shape[1]
+        stop = np.full((p, k), -1, np.int32)
+        for i, r in enumerate(reqs):
+            stop[i, : len(r.stop_ids)] = sorted(r.stop_ids)
+        row_max = np.array([r.max_new for r in reqs], np.int32)
+        first_np = np.asarray(first.tokens)
+        done = np.array([int(t) in r.stop_ids or r.max_new <= 1 for t, r in zip(first_np, reqs)])
+        self.state = self._call(("insert", p, cache.max_len, self.slots, self.max_len, k), insert_rows, self.state,
+                                cache, jnp.asarray(slot_ids, jnp.int32), first.tokens, seen, rp,
+                                jnp.asarray(row_max), jnp.asarray(stop), jnp.asarray(done))
+        self.stats["prefill_calls"] += 1
+        self.stats["prefill_rows"] += n
+        self.stats["prompt_tokens"] += int(lens[:n].sum())
+        return [int(t) for t in first_np[:n]]
+
+    def _prefill(self, cache: KVCache, prompts: list[list[int]]):
+        """Engine.prefill (right-padded rows, chunks of PREFILL_CHUNK) with chunks of at least min_prefill_len."""
+        eng = self.engine
+        b = len(prompts)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        total = max(int(lens.max()), self.min_prefill_len)
+        last, off = None, 0
+        while off < total:
+            t = bucket(max(min(self.min_prefill_len, PREFILL_CHUNK), min(PREFILL_CHUNK, total - off)))
+            toks = np.zeros((b, t), np.int32)
+            for r, p in enumerate(prompts):
+                seg = p[off: off + t]
+                toks[r, : len(seg)] = seg
+            n_valid = np.clip(lens - off, 0, t).astype(np.int32)
+            start = np.where(n_valid > 0, off, np.minimum(lens, off)).astype(np.int32)
+            logits, cache = self._call(("prefill", b, t, cache.max_len, False), prefill_step, eng.cfg, eng.kernels,
+                                       eng.weights, cache, jnp.asarray(toks), jnp.asarray(start),
+                                       jnp.asarray(n_valid))
+            ends_here = jnp.asarray((n_valid > 0) & (lens <= off + t))[:, None]
+            last = logits if last is None else jnp.where(ends_here, logits, last)
+            off += t
+        return last, cache.replace(lengths=jnp.asarray(lens))
+
+    def _decode(self, retire: np.ndarray, exit_after: int) -> np.ndarray:
+        eng = self.engine
+        key = ("chunk", self.slots, self.max_len, self.steps_per_call, self.state.stop_ids.shape[1])
+        self.state, buf = self._call(key, decode_chunk, eng.cfg, eng.kernels, eng.weights, self.state,
+                                     jnp.asarray(retire), jnp.int32(exit_after), n_steps=self.steps_per_call)
+        self.stats["decode_calls"] += 1
+        return np.asarray(buf)
+
+    # ------------------------------------------------------------------ host loop
+    def _check(self, a: _Active) -> str | None:
+        r = a.req
+        for j, t in enumerate(a.ids):
+            if t in r.stop_ids:
+                del a.ids[j + 1:]
+                return "stop"
+        if len(a.ids) >= r.max_new:
+            del a.ids[r.max_new:]
+            return "length"
+        if self.stop_check is not None and self.stop_check(r, a.ids):
+            return "check"
+        return None
+
+    def validate(self, r: SlotRequest):
+        if not r.ids:
+            raise ValueError("empty prompt")
+        if r.max_new < 1 or len(r.ids) + r.max_new > self.max_len:
+            raise ValueError(f"request {r.key!r}: prompt {len(r.ids)} + max_new {r.max_new} tokens does not fit "
+                             f"the cache of {self.max_len}")
+        if r.params.seed is None:
+            raise ValueError(f"request {r.key!r}: params.seed must be set")
+
+    def run(self, requests: Iterable[SlotRequest]) -> Iterator[list[Finished]]:
+        """Serve `requests` (pulled lazily) until all are finished; yields the requests finished in each host round."""
+        it = iter(requests)
+        exhausted = False
+        waiting: collections.deque[SlotRequest] = collections.deque()
+        free = list(range(self.slots))
+        active: dict[int, _Active] = {}
+        retire = np.zeros(self.slots, bool)
+        while True:
+            while not exhausted and len(waiting) < self.slots + self.max_prefill_batch:
+                try:
+                    r = next(it)
+                except StopIteration:
+                    exhausted = True
+                    break
+                self.validate(r)
+                waiting.append(r)
+            done_now: list[Finished] = []
+            while free and waiting:
+                group, longest = [], 0
+                while waiting and len(group) < min(len(free), self.max_prefill_batch):
+                    longest_if = max(longest, _prefill_len(len(waiting[0].ids)))
+                    if group and longest_if * pow2_at_least(len(group) + 1) > self.prefill_tokens:
+                        break
+                    longest = longest_if
+                    group.append(waiting.popleft())
+                slots = [free.pop(0) for _ in group]
+                firsts = self._admit(group, slots)
+                for s, r, t in zip(slots, group, firsts):
+                    a = _Active(r, [t])
+                    why = self._check(a)
+                    if why is None:
+                        active[s] = a
+                        retire[s] = False
+                    else:
+                        done_now.append(Finished(r, a.ids, why))
+                        free.append(s)
+                        retire[s] = True
+            if not active:
+                if done_now:
+                    self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
+                    self.stats["requests"] += len(done_now)
+                    yield done_now
+                if exhausted and not waiting:
+                    return
+                continue
+            # with requests waiting, come back as soon as a prefill group's worth of slots is free
+            exit_after = max(1, min(self.max_prefill_batch, len(waiting))) if waiting else self.slots + 1
+            buf = self._decode(retire, exit_after)
+            retire[:] = False
+            for s in list(active):
+                a = active[s]
+                new = buf[s][buf[s] >= 0]
+                if len(new):
+                    a.ids.extend(int(t) for t in new)
+                why = self._check(a)
+                if why is not None:
+                    done_now.append(Finished(a.req, a.ids, why))
+                    del active[s]
+                    free.append(s)
+                    retire[s] = why == "check"  # the device does not know about host-side stops
+            if done_now:
+                self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
+                self.stats["requests"] += len(done_now)
+                yield done_now
+
+
+def _prefill_len(n: int) -> int:
+    """Cache length for prefilling a prompt of n tokens with Engine.prefill's chunk buckets (at least MIN_CACHE, so
+    that few (P, S_p) shapes of prefill and insert get compiled)."""
+    full, rem = divmod(n, PREFILL_CHUNK)
+    padded = full * PREFILL_CHUNK + (bucket(rem) if rem else 0)
+    return pow2_at_least(padded, MIN_CACHE)
+
+
+def generate_ids(engine: Engine, requests: list[SlotRequest], slots: int = 8, max_len: int | None = None,
+                 steps_per_call: int = 8, **kw) -> dict:
+    """Convenience: run `requests` to completion; {key: Finished}."""
+    max_len = max_len or max(len(r.ids) + r.max_new for r in requests)
+    sched = Scheduler(engine, slots=slots, max_len=max_len, steps_per_call=steps_per_call, **kw)
+    out = {}
+    for batch in sched.run(requests):
+        for f in batch:
+            out[f.request.key] = f
+    return out
+
+
+__all__ = ["Scheduler", "SlotRequest", "Finished", "SlotState", "decode_chunk", "insert_rows", "init_state",
+           "generate_ids"]

@@ -1,0 +1,103 @@
+"""Continuous batching (scheduler.py) on the tiny random GGUF model: with fewer slots than requests (so finished
+slots are refilled), greedy results equal one-request-at-a-time `LLM.generate`, seeded sampling does not depend on
+the slot or the batch, stop ids and host-side stops retire rows without disturbing the others."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from lucebox_jax import SamplingParams
+from lucebox_jax.scheduler import Scheduler, SlotRequest, generate_ids
+
+SLOTS, STEPS, MAX_LEN = 2, 4, 256  # shared with test_jobs.py so the compiled programs are reused
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = [3, 14, 9, 16, 1, 12, 7][:n]  # one prefill bucket: few shapes to compile
+    return [[int(x) for x in rng.integers(0, 256, size=k)] for k in lens]
+
+
+def _single(llm, ids, params):
+    return llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+
+
+def _req(key, ids, params, llm, max_new=None):
+    return SlotRequest(key, ids, params, frozenset(llm._stop_ids(params)), max_new or params.max_tokens)
+
+
+@pytest.fixture(scope="module")
+def greedy_case(tiny_llm):
+    prompts = _prompts(7)
+    maxes = [5, 12, 16, 1, 9, 16, 3]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in maxes]
+    ref = [_single(tiny_llm, p, sp) for p, sp in zip(prompts, params)]
+    return prompts, params, ref
+
+
+def test_greedy_batch_equals_one_at_a_time(tiny_llm, greedy_case):
+    prompts, params, ref = greedy_case
+    reqs = [_req(i, p, dataclasses.replace(sp, seed=0), tiny_llm) for i, (p, sp) in
+            enumerate(zip(prompts, params))]
+    sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2)
+    got, rounds = {}, 0
+    for batch in sched.run(reqs):
+        rounds += 1
+        for f in batch:
+            got[f.request.key] = f
+    assert [got[i].token_ids for i in range(len(prompts))] == ref
+    assert all(got[i].finish_reason == "length" for i in range(len(prompts)))
+    assert sched.stats["prefill_rows"] == len(prompts) and rounds > 2  # refills happened
+    assert sched.stats["completion_tokens"] == sum(len(r) for r in ref)
+
+
+def test_stop_token_ids_cut_like_generate(tiny_llm, greedy_case):
+    prompts, params, ref = greedy_case
+    # stop on a token the greedy completion of prompt 2 produces at step 4: the same cut as LLM.generate's
+    stop_tok = ref[2][3]
+    p = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_tok], seed=0)
+    want = _single(tiny_llm, prompts[2], p)
+    assert want[-1] == stop_tok and len(want) <= 4
+    reqs = [_req("stop", prompts[2], p, tiny_llm)] + [
+        _req(i, prompts[i], dataclasses.replace(params[i], seed=0), tiny_llm) for i in (3, 5)]
+    out = generate_ids(tiny_llm.engine, reqs, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS,
+                       max_prefill_batch=2)
+    assert out["stop"].token_ids == want and out["stop"].finish_reason == "stop"
+    assert out[3].token_ids == ref[3] and out[5].token_ids == ref[5]  # neighbours undisturbed
+
+
+def test_seeded_sampling_independent_of_slot_and_batch(tiny_llm):
+    prompts = _prompts(5, seed=1)
+    p = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, repetition_penalty=1.1, max_tokens=12, seed=1234,
+                       ignore_eos=True)
+    alone = generate_ids(tiny_llm.engine, [_req("x", prompts[0], p, tiny_llm)], slots=SLOTS, max_len=MAX_LEN,
+                         steps_per_call=STEPS, max_prefill_batch=2)["x"].token_ids
+    # the same request third in line (another slot, other neighbours, admitted later)
+    others = [_req(i, prompts[i], SamplingParams(temperature=0.7, max_tokens=6 + i, seed=i, ignore_eos=True),
+                   tiny_llm) for i in (1, 2)]
+    mixed = generate_ids(tiny_llm.engine, others + [_req("x", prompts[0], p, tiny_llm)], slots=SLOTS,
+                         max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2)["x"].token_ids
+    assert alone == mixed
+    assert alone == _single(tiny_llm, prompts[0], p)  # same seed, same draws as the LLM API
+    other_seed = generate_ids(tiny_llm.engine, [_req("x", prompts[0], dataclasses.replace(p, seed=99),
+                                                      tiny_llm)],
+                              slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2)["x"].token_ids
+    assert other_seed != alone
+
+
+def test_host_stop_check_retires_row(tiny_llm, greedy_case):
+    prompts, params, ref = greedy_case
+    reqs = [_req(i, prompts[i], dataclasses.replace(params[i], seed=0), tiny_llm) for i in (2, 1, 5)]
+    sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2,
+                      stop_check=lambda r, ids: r.key == 2 and len(ids) >= 2)
+    got = {f.request.key: f for batch in sched.run(reqs) for f in batch}
+    assert got[2].finish_reason == "check" and got[2].token_ids == ref[2][: len(got[2].token_ids)]
+    assert 2 <= len(got[2].token_ids) < 16
+    assert got[1].token_ids == ref[1] and got[5].token_ids == ref[5]
+
+
+def test_rejects_requests_that_do_not_fit(tiny_llm):
+    sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=32, steps_per_call=STEPS)
+    with pytest.raises(ValueError, match="does not fit"):
+        list(sched.run([SlotRequest("a", [1] * 30, SamplingParams(seed=0), frozenset(), 5)]))
