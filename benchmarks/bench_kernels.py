@@ -11,6 +11,9 @@
   * attention_prefill at a few shapes, pallas vs xla.
 The kernels run with their registered defaults (`default_config` in each pallas_kernels module).
 `--sections ...,qsweep` first times qmatmul variants and uses the winners; `--sweep` only times variants.
+`--sections copy,qsweep2` runs the staged M <= 16 int4 GEMV sweep (see `qsweep2`) and writes the best config per
+(shape, group, M-bucket) to $OUT/int4_tuned.json (copy it to pallas_kernels/int4_tuned.json); `--small` is its CPU
+smoke test (tiny shapes, interpret mode).
 
 Timing: one jitted function applies the op to R different input sets (R chosen so the sets total >= 240 MB, so
 the 50-60 MB L2 never holds the next set), called n times back to back after two warmup calls.  The reported time
@@ -207,7 +210,8 @@ def q_check(fn, x, w):
 
 def pallas_q(cfg):
     def fn(x, w):
-        c = mm_mod.default_config(x.shape[0], x.shape[1], w.codes.shape[1], w.group_size, x.dtype)
+        c = mm_mod.default_config(x.shape[0], x.shape[1], w.codes.shape[1], w.group_size, x.dtype,
+                                  symmetric=w.mins is None)
         c.update(cfg)
         while (x.shape[1] // 2) % c["block_k"]:
             c["block_k"] //= 2
@@ -407,6 +411,258 @@ def sweep(bw):
     save()
 
 
+# ------------------------------------------------------------------------------------------------ qsweep2
+# Staged int4 GEMV sweep (M <= 16) that writes the best config per (shape, group, M-bucket) to $OUT/int4_tuned.json
+# (copy it to pallas_kernels/int4_tuned.json; `default_config` reads it).  Stages, each cut off by --budget:
+#   A: every Q2_M1 variant on gate+up (the largest shape) at M = 1, g32-asym and g128-sym;
+#   B: the heuristic default, then the Q2_TOP_M1 best of A, on qkv, o, down at M = 1;
+#   C: every Q2_M16 variant on gate+up at M = 16; D: the Q2_TOP_M16 best of C on qkv, o, down at M = 16;
+#   E: the best of C/D at M = 8 on gate+up (informational; M-bucket 16 keeps the M = 16 winner).
+# Each variant is compiled once (the timed jit), its first output checked against the XLA reference (rel err <
+# 2e-2; a mismatch or a compile failure skips the variant, never the run), then timed like time_sets.
+# Knobs not given take Q2_BASE.  "min_programs" sizes split-K (132 SMs: 264 = 2 per SM, 528 = 4, 1056 = 8).
+Q2_BASE = dict(block_n=128, block_k=32, split_k=None, num_warps=4, num_stages=4, mode="dot", decode="asm",
+               min_programs=528, scales_mode="tile", reduce="xla")
+Q2_M1 = [  # (name, knobs); block_k > g loads [block_k/g, block_n] scale tiles broadcast in registers
+    ("default", None),  # the heuristic default_config (tuned table off)
+    ("dot_k128_n64_w4_s4", dict(block_k=128, block_n=64)),  # the previous best (g128: 46 us on gate+up)
+    ("dot_k128_n64_w4_s5", dict(block_k=128, block_n=64, num_stages=5)),
+    ("dot_k128_n64_w4_s4_at", dict(block_k=128, block_n=64, reduce="atomic")),
+    ("dot_k128_n64_w4_s4_p264", dict(block_k=128, block_n=64, min_programs=264)),
+    ("dot_k128_n64_w4_s3_p1056", dict(block_k=128, block_n=64, num_stages=3, min_programs=1056)),
+    ("dot_k128_n128_w8_s4", dict(block_k=128, block_n=128, num_warps=8)),
+    ("dot_k256_n64_w8_s3", dict(block_k=256, block_n=64, num_warps=8, num_stages=3)),
+    ("dot_k64_n128_w4_s5", dict(block_k=64, block_n=128, num_stages=5)),
+    ("dot_k32_n256_w8_s5", dict(block_k=32, block_n=256, num_warps=8, num_stages=5)),  # g32: no scale broadcast
+    ("dot_k64_n256_w8_s4_at", dict(block_k=64, block_n=256, num_warps=8, reduce="atomic")),
+    ("dott_k128_n64_w4_s4", dict(mode="dot_t", block_k=128, block_n=64)),
+    ("dott_k128_n128_w8_s4", dict(mode="dot_t", block_k=128, block_n=128, num_warps=8)),
+    ("fma_k128_n64_w4_s4", dict(mode="fma", block_k=128, block_n=64)),
+    ("fmar_k128_n128_w8_s3_at", dict(mode="fma_r", block_k=128, block_n=128, num_warps=8, num_stages=3,
+                                     reduce="atomic")),
+    ("f32fma_k64_n128_w4_s4", dict(mode="fma", decode="f32", block_k=64, block_n=128)),
+]
+Q2_M16 = [
+    ("default", None),
+    ("dot_k128_n64_w4_s4", dict(block_k=128, block_n=64)),
+    ("dot_k128_n128_w8_s4", dict(block_k=128, block_n=128, num_warps=8)),
+    ("dot_k64_n128_w4_s4_at", dict(block_k=64, block_n=128, reduce="atomic")),
+    ("dott_k128_n64_w4_s4", dict(mode="dot_t", block_k=128, block_n=64)),
+    ("dott_k128_n128_w8_s3", dict(mode="dot_t", block_k=128, block_n=128, num_warps=8, num_stages=3)),
+]
+Q2_TOP_M1, Q2_TOP_M16 = 3, 2
+Q2_SMALL_SHAPES = {"qkv": (512, 384), "o": (512, 256), "gate_up": (512, 1024), "down": (1024, 256)}
+
+
+def q2_config(knobs, m, k, n, g, sym):
+    if knobs is None:
+        prev = os.environ.get("LUCEBOX_INT4_TUNED")
+        os.environ["LUCEBOX_INT4_TUNED"] = "off"
+        try:
+            cfg = mm_mod.default_config(m, k, n, g, jnp.bfloat16, on_gpu=True, symmetric=sym)
+        finally:
+            if prev is None:
+                os.environ.pop("LUCEBOX_INT4_TUNED", None)
+            else:
+                os.environ["LUCEBOX_INT4_TUNED"] = prev
+    else:
+        cfg = dict(Q2_BASE)
+        cfg.update(knobs)
+    while (k // 2) % cfg["block_k"]:
+        cfg["block_k"] //= 2
+    return cfg
+
+
+def q2_time(f, sets, small):
+    """f already compiled and run once; GPU kernel time per op (profiler), or wall time."""
+    trials, n = (1, 1) if small else (3, 2)
+    jax.block_until_ready(f(sets))
+    ts = []
+    for _ in range(trials):
+        t = time.perf_counter()
+        for _ in range(n):
+            out = f(sets)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / (n * len(sets)))
+    wall = statistics.median(ts)
+    if small:
+        return wall, wall
+    try:
+        def run():
+            o = None
+            for _ in range(n):
+                o = f(sets)
+            jax.block_until_ready(o)
+
+        busy, _ = _device_kernel_ns(run)
+    except Exception as e:  # noqa: BLE001
+        RESULTS["errors"].append(f"profiler: {type(e).__name__}: {e}")
+        busy = None
+    return (wall if busy is None else busy * 1e-9 / (n * len(sets))), wall
+
+
+class Q2Case:
+    """Inputs of one (shape, quant, M) case, built once, shared by every variant."""
+
+    def __init__(self, sname, qname, m, small):
+        self.sname, self.qname, self.m, self.small = sname, qname, m, small
+        self.k, self.n = (Q2_SMALL_SHAPES if small else SHAPES)[sname]
+        self.g, self.sym = QUANTS[qname]
+        if small:
+            self.g = min(self.g, self.k // 4)
+        w0 = rand_quant(jax.random.PRNGKey(1), self.k, self.n, self.g, self.sym)
+        self.nbytes = qbytes(w0, m, self.k, self.n)
+        self.sets = make_q_sets(self.k, self.n, self.g, self.sym, m, 2 if small else n_sets(self.nbytes))
+        x, w = self.sets[0]
+        self.ref = np.asarray(jax.jit(kernels_xla.qmatmul_xla)(x, w), np.float32)
+
+    def key(self):
+        return mm_mod.tuned_key(self.m, self.k, self.n, self.g, self.sym)
+
+
+def q2_run(case, vname, knobs, bw, rows):
+    if time.time() - T_START > ARGS.budget:
+        return None
+    cfg = q2_config(knobs, case.m, case.k, case.n, case.g, case.sym)
+    row = {"shape": case.sname, "K": case.k, "N": case.n, "quant": case.qname, "M": case.m, "variant": vname,
+           "cfg": cfg, "bytes": case.nbytes}
+    interp = case.small
+
+    def fn(x, w):
+        return mm_mod.int4_matmul(x, w.codes, w.scales, w.mins, group_size=w.group_size, interpret=interp, **cfg)
+
+    t0 = time.time()
+    try:
+        f = jax.jit(lambda ss: [fn(*s) for s in ss])
+        outs = jax.block_until_ready(f(case.sets))
+        row["compile_s"] = time.time() - t0
+        row["err"] = rel_err(outs[0], case.ref)
+        if not np.isfinite(row["err"]) or row["err"] > 2e-2:
+            row["error"] = f"mismatch vs xla: rel err {row['err']:.3g}"
+        else:
+            t, wall = q2_time(f, case.sets, case.small)
+            row["us"], row["wall_us"] = t * 1e6, wall * 1e6
+            row["GBps"] = case.nbytes / t / 1e9
+            row["frac_bw"] = row["GBps"] / bw
+    except Exception as e:  # noqa: BLE001 - compile failures (shared memory, registers) skip the variant
+        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    row["total_s"] = time.time() - t0
+    log(f"  {case.sname:>7} {case.qname} M={case.m:<2} {vname:<28} "
+        + (f"{row['us']:8.1f} us {100 * row['frac_bw']:5.1f}%bw err {row['err']:.1e}" if "us" in row
+           else f"SKIP {row.get('error', '')[:150]}") + f"  ({row['total_s']:.1f} s)")
+    rows.append(row)
+    RESULTS["qsweep2"].append(row)
+    return row
+
+
+def q2_rank(rows, variants):
+    """Variant names ordered by the sum over the given rows' cases of us / best-us-of-that-case (ok rows only)."""
+    best = {}
+    for r in rows:
+        if "us" in r:
+            c = (r["shape"], r["quant"], r["M"])
+            best[c] = min(best.get(c, float("inf")), r["us"])
+    score = {}
+    for r in rows:
+        if "us" in r:
+            score.setdefault(r["variant"], []).append(r["us"] / best[(r["shape"], r["quant"], r["M"])])
+    names = [v for v, _ in variants if v in score]
+    return sorted(names, key=lambda v: sum(score[v]) / len(score[v]))
+
+
+def qsweep2(bw, small=False):
+    RESULTS.setdefault("qsweep2", [])
+    quants = list(QUANTS)
+    others = ["qkv", "o", "down"]
+    m1, m16 = dict(Q2_M1), dict(Q2_M16)
+    all_rows = []
+    cases = {}
+
+    def case(sname, qname, m):
+        if (sname, qname, m) not in cases:
+            cases[(sname, qname, m)] = Q2Case(sname, qname, m, small)
+        return cases[(sname, qname, m)]
+
+    def stage(label, runs):
+        """runs: [(shape, quant, M, variant name, variant table)], in priority order (the budget may cut the tail)."""
+        log(f"qsweep2 stage {label} ({time.time() - T_START:.0f} s)")
+        rows = []
+        for sname, qname, m, v, table in runs:
+            if time.time() - T_START > ARGS.budget:
+                log("budget reached, qsweep2 stops here")
+                break
+            try:
+                cs = case(sname, qname, m)
+            except Exception as e:  # noqa: BLE001
+                log(f"  {sname} {qname} M={m}: inputs failed: {type(e).__name__}: {str(e)[:200]}")
+                RESULTS["errors"].append(traceback.format_exc()[-2000:])
+                continue
+            q2_run(cs, v, table[v], bw, rows)
+            save()
+        cases.clear()  # free the stage's inputs
+        all_rows.extend(rows)
+        return rows
+
+    def spread(qname, m, names, table):  # the default everywhere first, then the best, the second best, ...
+        order = ["default"] + [v for v in names if v != "default"]
+        return [(s, qname, m, v, table) for v in order for s in others]
+
+    for qname in quants:  # A, B per quant: M = 1
+        a = stage(f"A {qname}", [("gate_up", qname, 1, v, m1) for v, _ in Q2_M1])
+        stage(f"B {qname}", spread(qname, 1, q2_rank(a, Q2_M1)[:Q2_TOP_M1], m1))
+    top16 = {}
+    for qname in quants:  # C, D: M = 16
+        c = stage(f"C {qname}", [("gate_up", qname, 16, v, m16) for v, _ in Q2_M16])
+        top16[qname] = q2_rank(c, Q2_M16)[:Q2_TOP_M16]
+        stage(f"D {qname}", spread(qname, 16, top16[qname], m16))
+    for qname in quants:  # E: M = 8
+        stage(f"E {qname}", [("gate_up", qname, 8, v, m16) for v in (["default"] + top16[qname][:1])])
+
+    # best per (shape, quant, M-bucket); M = 8 rows are informational only
+    best = {}
+    for r in all_rows:
+        if "us" not in r or r["M"] == 8:
+            continue
+        c = (r["shape"], r["quant"], r["M"])
+        if c not in best or r["us"] < best[c]["us"]:
+            best[c] = r
+    entries = {}
+    for (sname, qname, m), r in sorted(best.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        g, sym = QUANTS[qname]
+        if small:
+            g = min(g, r["K"] // 4)
+        key = mm_mod.tuned_key(m, r["K"], r["N"], g, sym)
+        e = {kk: v for kk, v in r["cfg"].items() if kk in mm_mod._TUNABLE}
+        e.update(variant=r["variant"], us=round(r["us"], 2), frac_bw=round(r["frac_bw"], 4), err=r["err"])
+        entries[key] = e
+    tuned = {"version": 1, "device": RESULTS["device"], "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+             "copy_GBps": bw, "small": small, "entries": entries}
+    with open(os.path.join(OUT, "int4_tuned.json"), "w") as f:
+        json.dump(tuned, f, indent=1)
+    save()
+    lines = ["qsweep2 best per case (M=1 and M=16 write int4_tuned.json; M=8 informational):",
+             "   shape  quant  M  best variant                      us   GB/s   %bw |  default_us  speedup"]
+    bycase = {}
+    for r in all_rows:
+        bycase.setdefault((r["shape"], r["quant"], r["M"]), []).append(r)
+    for c, rs in bycase.items():
+        ok = [r for r in rs if "us" in r]
+        d = next((r for r in ok if r["variant"] == "default"), None)
+        if not ok:
+            lines.append(f"{c[0]:>8} {c[1]:>6} {c[2]:>2}  (no variant passed)")
+            continue
+        b = min(ok, key=lambda r: r["us"])
+        lines.append(f"{c[0]:>8} {c[1]:>6} {c[2]:>2}  {b['variant']:<28} {b['us']:9.1f} {b['GBps']:6.0f}"
+                     f" {100 * b['frac_bw']:5.1f} | {fmt(d['us'] if d else None):>10} "
+                     f"{fmt(d['us'] / b['us'] if d else None, 2):>7}")
+    n_ok = sum("us" in r for r in all_rows)
+    lines.append(f"qsweep2: {len(all_rows)} runs, {n_ok} timed, {len(all_rows) - n_ok} skipped; "
+                 f"{len(entries)} entries -> {os.path.join(OUT, 'int4_tuned.json')}")
+    RESULTS["qsweep2_table"] = "\n".join(lines)
+    log(RESULTS["qsweep2_table"])
+    return tuned
+
+
 # ------------------------------------------------------------------------------------------------ table
 def fmt(v, p=1):
     return "-" if v is None else (f"{v:.{p}f}" if isinstance(v, float) else str(v))
@@ -441,6 +697,8 @@ def table(bw):
                 f" {fmt(r.get('pallas_TFLOPs')):>6} | {fmt(r.get('pallas_k128_w8_us')):>9} |"
                 f" {fmt(r.get('xla_us')):>7} {fmt(r.get('xla_TFLOPs')):>6}"
             )
+    if RESULTS.get("qsweep2_table"):
+        lines.append(RESULTS["qsweep2_table"])
     if RESULTS["sweep"]:
         lines.append("sweep: variant  shape quant M  us  GB/s  %bw  err")
         for r in RESULTS["sweep"]:
@@ -466,14 +724,24 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes")
     ap.add_argument("--budget", type=float, default=420.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--sections", default="copy,qmatmul,decode,prefill",
-                    help="add qsweep to time the qmatmul variants first and use the winners instead of the defaults")
+                    help="add qsweep to time the qmatmul variants first and use the winners instead of the defaults;"
+                         " qsweep2: the staged M <= 16 sweep that writes $OUT/int4_tuned.json")
+    ap.add_argument("--small", action="store_true",
+                    help="CPU smoke test of qsweep2: tiny shapes, interpret mode, wall time, no copy section")
     ARGS = ap.parse_args()
     dev = jax.devices()[0]
     RESULTS["device"] = f"{dev.platform}:{getattr(dev, 'device_kind', '?')} jax {jax.__version__}"
     log(RESULTS["device"])
     secs = ARGS.sections.split(",")
-    bw = bench_copy() if "copy" in secs or ARGS.sweep else 4200.0
+    bw = bench_copy() if ("copy" in secs or ARGS.sweep) and not ARGS.small else 4290.0
     save()
+    if "qsweep2" in secs:
+        try:
+            qsweep2(bw, small=ARGS.small)
+        except Exception:  # noqa: BLE001 - never lose the rest of the run
+            RESULTS["errors"].append(traceback.format_exc()[-3000:])
+            log(traceback.format_exc()[-3000:])
+        save()
     if ARGS.sweep:
         sweep(bw)
     else:

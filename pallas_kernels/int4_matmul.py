@@ -19,14 +19,24 @@ Weight decode ("dequant") variants, `decode=`:
             with the scale (and min): about 2 instructions per weight instead of about 4.
 Accumulation variants, `mode=`:
   * "dot":  block_m rows of x (padded to >= 16) times the decoded tile on the tensor cores (any M).
+  * "dot_t": the same product transposed, W^T [bn, bk] @ x^T [bk, bm]: the weight tile is the dot's M side.
   * "fma":  M == 1 only: elementwise x[k] * W[k, n] into a [block_k, block_n] float32 accumulator, one reduction at
             the end (no tensor cores, no layout conversion).
+  * "fma_r": M == 1 only: the same, reduced over K every step into a [1, block_n] accumulator.
+Scales when block_k > g (`scales_mode=`): "tile" loads [block_k/g, block_n] scales (and mins) per step and
+broadcasts them to [block_k, block_n] in registers; "gather" loads [block_k, block_n] per-row gathers (the old way:
+pipelined through shared memory, which overflows).  With no masks when block_n divides N.
+Split-K reduction (`reduce=`): "xla" writes float32 partials [split_k, M, N] summed by XLA; "atomic" atomically adds
+into one zeroed float32 [M, N] buffer (then one cast).  Tuned configs: see `default_config` / `tuned_config`.
 In interpret mode (CPU) "asm" is replaced by the plain-jnp decode (same function up to bf16 rounding).
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -34,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "qmatmul_pallas"]
+__all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "tuned_config", "qmatmul_pallas"]
 
 
 def _pow2_floor(v: int) -> int:
@@ -122,7 +132,10 @@ def _decode_asm_emulated(c, s_lo, s_hi, m_lo, m_hi):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode, decode, has_mins, out_partial):
+def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode, decode, has_mins, out_partial,
+            scales_mode="tile", reduce="xla"):
+    if reduce == "atomic" and out_partial:  # last input: the zeroed float32 output it aliases (unused here)
+        refs = refs[:-2] + refs[-1:]
     if has_mins:
         x_ref, c_ref, s_ref, m_ref, o_ref = refs
     else:
@@ -132,6 +145,9 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
     n0 = pid_n * bn
     cols = n0 + jnp.arange(bn)
     cmask = cols < n_cols
+    ragged = n_cols % bn != 0  # no masks at all when block_n divides N
+    lm = dict(mask=cmask[None, :], other=0) if ragged else {}
+    sm = dict(mask=cmask[None, :]) if ragged else {}
     nh = k_half // g  # groups in the low half
     t0 = pid_k * tiles_per_split
     t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
@@ -142,22 +158,33 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
 
         def load_scales(ref, r0):
             j = r0 // g
-            lo = plgpu.load(ref.at[pl.ds(j, 1), pl.ds(n0, bn)], mask=cmask[None, :], other=0)
-            hi = plgpu.load(ref.at[pl.ds(j + nh, 1), pl.ds(n0, bn)], mask=cmask[None, :], other=0)
+            lo = plgpu.load(ref.at[pl.ds(j, 1), pl.ds(n0, bn)], **lm)
+            hi = plgpu.load(ref.at[pl.ds(j + nh, 1), pl.ds(n0, bn)], **lm)
             return lo.astype(jnp.float32), hi.astype(jnp.float32)
 
-    else:  # the tile spans several groups: per-row gathered [bk, bn] scale loads (L1 hits), no layout change
+    elif scales_mode == "tile":  # the tile spans bk / g groups: one [bk/g, bn] load, broadcast in registers
+
+        def load_scales(ref, r0):
+            j = r0 // g
+            ng = bk // g
+            lo = plgpu.load(ref.at[pl.ds(j, ng), pl.ds(n0, bn)], **lm).astype(jnp.float32)
+            hi = plgpu.load(ref.at[pl.ds(j + nh, ng), pl.ds(n0, bn)], **lm)
+            hi = hi.astype(jnp.float32)
+            ex = lambda v: jnp.broadcast_to(v[:, None, :], (ng, g, bn)).reshape(bk, bn)  # noqa: E731
+            return ex(lo), ex(hi)
+
+    else:  # "gather": per-row gathered [bk, bn] scale loads (L1 hits; pipelined into shared memory: can overflow)
 
         def load_scales(ref, r0):
             rows = (r0 + jnp.arange(bk)) // g
-            cm = jnp.broadcast_to(cmask[None, :], (bk, bn))
-            lo = plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=cm, other=0)
-            hi = plgpu.load(ref.at[rows[:, None] + nh, cols[None, :]], mask=cm, other=0)
+            lmg = dict(mask=jnp.broadcast_to(cmask[None, :], (bk, bn)), other=0) if ragged else {}
+            lo = plgpu.load(ref.at[rows[:, None], cols[None, :]], **lmg)
+            hi = plgpu.load(ref.at[rows[:, None] + nh, cols[None, :]], **lmg)
             return lo.astype(jnp.float32), hi.astype(jnp.float32)
 
     def body(t, acc):
         r0 = pl.multiple_of(t * bk, bk)
-        c = plgpu.load(c_ref.at[pl.ds(r0, bk), pl.ds(n0, bn)], mask=cmask[None, :], other=0)
+        c = plgpu.load(c_ref.at[pl.ds(r0, bk), pl.ds(n0, bn)], **lm)
         s_lo, s_hi = load_scales(s_ref, r0)
         m_lo = m_hi = None
         if m_ref is not None:
@@ -168,29 +195,85 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
             w_lo, w_hi = _decode_asm_emulated(c, s_lo, s_hi, m_lo, m_hi)
         else:
             w_lo, w_hi = _decode_f32(c, s_lo, s_hi, m_lo, m_hi)
-        if mode == "fma":
+        if mode in ("fma", "fma_r"):
             x_lo = x_ref[0, pl.ds(r0, bk)].astype(jnp.float32)
             x_hi = x_ref[0, pl.ds(k_half + r0, bk)].astype(jnp.float32)
             w_lo, w_hi = w_lo.astype(jnp.float32), w_hi.astype(jnp.float32)
-            return acc + x_lo[:, None] * w_lo + x_hi[:, None] * w_hi
+            p = x_lo[:, None] * w_lo + x_hi[:, None] * w_hi
+            return acc + (jnp.sum(p, axis=0)[None, :] if mode == "fma_r" else p)
         x_lo = x_ref[pl.ds(m0, bm), pl.ds(r0, bk)].astype(cdt)
         x_hi = x_ref[pl.ds(m0, bm), pl.ds(k_half + r0, bk)].astype(cdt)
+        if mode == "dot_t":  # W^T [bn, bk] @ x^T [bk, bm]: the weight tile is the (large) M-side operand
+            dn = (((0,), (1,)), ((), ()))
+            acc = acc + lax.dot_general(w_lo.astype(cdt), x_lo, dn, preferred_element_type=jnp.float32)
+            return acc + lax.dot_general(w_hi.astype(cdt), x_hi, dn, preferred_element_type=jnp.float32)
         acc = acc + jnp.dot(x_lo, w_lo.astype(cdt), preferred_element_type=jnp.float32)
         return acc + jnp.dot(x_hi, w_hi.astype(cdt), preferred_element_type=jnp.float32)
 
     if mode == "fma":
         acc = lax.fori_loop(t0, t1, body, jnp.zeros((bk, bn), jnp.float32))
         res = jnp.sum(acc, axis=0)[None, :]
+    elif mode == "fma_r":
+        res = lax.fori_loop(t0, t1, body, jnp.zeros((1, bn), jnp.float32))
+    elif mode == "dot_t":
+        res = lax.fori_loop(t0, t1, body, jnp.zeros((bn, bm), jnp.float32)).T
     else:
         res = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), jnp.float32))
-    if out_partial:
-        plgpu.store(o_ref.at[pid_k, pl.ds(m0, bm), pl.ds(n0, bn)], res, mask=cmask[None, :])
+    if out_partial and reduce == "atomic":  # float32 [mp, n_blocks * bn] output, zeroed by the caller: no mask
+        plgpu.atomic_add(o_ref, (pl.ds(m0, bm), pl.ds(n0, bn)), res)
+    elif out_partial:
+        plgpu.store(o_ref.at[pid_k, pl.ds(m0, bm), pl.ds(n0, bn)], res, **sm)
     else:
-        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], res.astype(o_ref.dtype), mask=cmask[None, :])
+        plgpu.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], res.astype(o_ref.dtype), **sm)
 
 
-def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, on_gpu: bool = True) -> dict:
-    """Tuning knobs picked from the H200 sweep (benchmarks/RESULTS.md, "Kernels (issue 3)").
+# Optional tuned table (written by `benchmarks/bench_kernels.py --sections qsweep2` as $OUT/int4_tuned.json and
+# copied here): {"entries": {"<M-bucket>:<K>:<N>:<g>:<sym|asym>": {knobs of int4_matmul}}}; M-bucket 1 (M == 1),
+# 16 (M <= 16), 64 (M <= 64).  LUCEBOX_INT4_TUNED=<path> points elsewhere; LUCEBOX_INT4_TUNED=off ignores it.
+TUNED_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "int4_tuned.json")
+_TUNABLE = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "mode", "decode", "min_programs",
+            "scales_mode", "reduce")
+
+
+def m_bucket(m: int) -> int | None:
+    return 1 if m == 1 else 16 if m <= 16 else 64 if m <= 64 else None
+
+
+def tuned_key(m: int, k: int, n: int, group_size: int, symmetric: bool) -> str | None:
+    mb = m_bucket(m)
+    return None if mb is None else f"{mb}:{k}:{n}:{group_size}:{'sym' if symmetric else 'asym'}"
+
+
+@functools.lru_cache(maxsize=4)
+def _load_tuned(path: str) -> dict:
+    try:
+        with open(path) as f:
+            ent = json.load(f).get("entries", {})
+        return {key: {kk: v for kk, v in cfg.items() if kk in _TUNABLE} for key, cfg in ent.items()}
+    except FileNotFoundError:
+        return {}
+    except Exception as e:  # noqa: BLE001 - a broken table must not break the kernel
+        logging.getLogger(__name__).warning("ignoring int4 tuned table %s (%s: %s)", path, type(e).__name__, e)
+        return {}
+
+
+def tuned_config(m: int, k: int, n: int, group_size: int, symmetric: bool | None = None) -> dict | None:
+    """The tuned table's entry for this case (symmetric None: either), or None."""
+    path = os.environ.get("LUCEBOX_INT4_TUNED", TUNED_PATH)
+    if path.lower() in ("", "0", "off", "none"):
+        return None
+    table = _load_tuned(path)
+    for sym in ((symmetric,) if symmetric is not None else (False, True)):
+        key = tuned_key(m, k, n, group_size, sym)
+        if key is not None and key in table:
+            return dict(table[key])
+    return None
+
+
+def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, on_gpu: bool = True,
+                   symmetric: bool | None = None) -> dict:
+    """Tuning knobs: the tuned table's entry (`tuned_config`) when there is one (GPU only), else the heuristics
+    picked from the H200 sweep (benchmarks/RESULTS.md, "Kernels (issue 3)").
 
     M == 1, g < 128: float32 decode + elementwise FMA accumulation (best on qkv g32: 18.7 us vs 20.9 asm/dot);
     M <= 16, g >= 128: asm decode, tensor-core dot, block_k = 128 (one whole group per step), block_n = 64
@@ -200,6 +283,12 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
     asm_ok = on_gpu and jnp.dtype(dtype) == jnp.bfloat16
     cfg = dict(block_n=128, block_k=min(32, group_size), split_k=None, num_warps=4, num_stages=4, mode="dot",
                decode="asm" if asm_ok else "f32")
+    tuned = tuned_config(m, k, n, group_size, symmetric) if on_gpu else None
+    if tuned:
+        cfg.update(tuned)
+        if cfg.get("decode") == "asm" and not asm_ok:
+            cfg["decode"] = "f32"
+        return cfg
     if m > 16:
         cfg.update(block_m=64, block_n=128, num_warps=4, num_stages=3)
     elif group_size >= 128 and asm_ok:
@@ -213,29 +302,37 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
     jax.jit,
     static_argnames=(
         "group_size", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "mode", "decode",
-        "interpret", "min_programs",
+        "interpret", "min_programs", "scales_mode", "reduce",
     ),
 )
 def int4_matmul(
     x, codes, scales, mins=None, *, group_size: int, block_m: int | None = None, block_n: int = 128,
     block_k: int = 32, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, mode: str = "dot",
-    decode: str = "f32", interpret: bool = False, min_programs: int = 528,
+    decode: str = "f32", interpret: bool = False, min_programs: int = 528, scales_mode: str = "tile",
+    reduce: str = "xla",
 ):
     """x [M, K] @ int4 W (codes uint8 [K/2, N], scales/mins float16 [K/g, N]) -> [M, N] in x.dtype.
 
-    block_k: byte rows per loop step (a power of two dividing K/2; a divisor or a multiple of group_size); split_k: K splits (None: enough
-    programs to fill the chip, `min_programs` of them); decode: "f32" | "asm" (GPU, bf16) ; mode: "dot" | "fma"."""
+    block_k: byte rows per loop step (a power of two dividing K/2; a divisor or a multiple of group_size);
+    split_k: K splits (None: enough programs to fill the chip, `min_programs` of them); decode: "f32" | "asm" (GPU,
+    bf16); mode: "dot" | "dot_t" (W^T x^T: the weight tile is the dot's M side) | "fma" | "fma_r" (M == 1 only;
+    "fma_r" reduces over K every step into a [1, block_n] accumulator); scales_mode (block_k > g only): "tile"
+    (one [block_k/g, block_n] scale load per step, broadcast in registers) | "gather" (per-row gathered loads);
+    reduce (split_k > 1): "xla" (float32 partials [split_k, M, N] summed by XLA) | "atomic" (float32 atomic adds
+    into one zeroed [M, N] buffer, then one cast)."""
     m, k = x.shape
     k_half, n = codes.shape
     g = group_size
     assert k == 2 * k_half, (x.shape, codes.shape)
     assert k_half % g == 0 and (g % block_k == 0 or block_k % g == 0), (k_half, g, block_k)
     assert k_half % block_k == 0, (k_half, block_k)
+    assert mode in ("dot", "dot_t", "fma", "fma_r") and reduce in ("xla", "atomic"), (mode, reduce)
+    assert scales_mode in ("tile", "gather"), scales_mode
     if decode == "asm" and (interpret or x.dtype != jnp.bfloat16):
         decode = "asm_emulated" if x.dtype == jnp.bfloat16 else "f32"
-    if mode == "fma" and m != 1:
+    if mode in ("fma", "fma_r") and m != 1:
         mode = "dot"
-    if mode == "fma":
+    if mode in ("fma", "fma_r"):
         bm = 1
     else:
         bm = block_m or 16
@@ -254,23 +351,35 @@ def int4_matmul(
     tiles_per_split = _cdiv(n_tiles, split_k)
     split_k = _cdiv(n_tiles, tiles_per_split)
     out_partial = split_k > 1
+    atomic = out_partial and reduce == "atomic"
     kern = functools.partial(
         _kernel, k_half=k_half, g=g, bm=bm, bn=bn, bk=block_k, n_cols=n, tiles_per_split=tiles_per_split,
         n_tiles=n_tiles, mode=mode, decode=decode, has_mins=mins is not None, out_partial=out_partial,
+        scales_mode=scales_mode, reduce=reduce,
     )
-    out_shape = (
-        jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32) if out_partial else jax.ShapeDtypeStruct((mp, n), x.dtype)
-    )
+    if atomic:
+        out_shape = jax.ShapeDtypeStruct((mp, n_blocks * bn), jnp.float32)
+    elif out_partial:
+        out_shape = jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32)
+    else:
+        out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
     args = [xp, codes, scales] + ([mins] if mins is not None else [])
+    aliases = {}
+    if atomic:
+        aliases = {len(args): 0}
+        args.append(jnp.zeros(out_shape.shape, jnp.float32))
     out = pl.pallas_call(
         kern,
         out_shape=out_shape,
         grid=(n_blocks, split_k, m_blocks),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int4_matmul",
     )(*args)
-    if out_partial:
+    if atomic:
+        out = out[:, :n]
+    elif out_partial:
         out = jnp.sum(out, axis=0)
     return out[:m].astype(x.dtype)
 
@@ -293,7 +402,7 @@ def qmatmul_pallas(x, w, *, interpret: bool | None = None, **overrides):
     m, k = x.shape
     n = w.codes.shape[1]
     g = w.group_size
-    cfg = default_config(m, k, n, g, x.dtype, on_gpu=not interpret)
+    cfg = default_config(m, k, n, g, x.dtype, on_gpu=not interpret, symmetric=w.mins is None)
     cfg.update(overrides)
     if g & (g - 1) or (k // 2) % g:
         raise ValueError(f"int4_matmul needs a power-of-two group size dividing K/2 (g={g}, K={k})")

@@ -90,6 +90,56 @@ def test_qmatmul_variants(m, dt, kw):
     assert rel(y, kernels_xla.qmatmul_xla(x, w)) < TOL[dt]
 
 
+# the qsweep2 knobs: block_k > g with [block_k/g, block_n] scale tiles broadcast in registers, atomic split-K,
+# the transposed dot, per-step-reduced FMA; N ragged (masked) or a multiple of block_n (unmasked), ragged splits
+QV2 = [  # M, K, N, g, symmetric, dtype, knobs
+    (1, 512, 80, 32, False, jnp.float32, dict(mode="fma", block_k=128, block_n=32, reduce="atomic", split_k=2)),
+    (1, 512, 80, 32, True, jnp.bfloat16, dict(mode="fma_r", block_k=64, block_n=64, decode="asm", split_k=3)),
+    (1, 1024, 128, 128, True, jnp.float32, dict(mode="dot_t", block_k=256, block_n=64, reduce="atomic", split_k=2)),
+    (5, 512, 128, 32, False, jnp.bfloat16, dict(block_k=128, block_n=64, decode="asm", reduce="atomic",
+                                                num_warps=8, min_programs=16)),
+    (16, 512, 48, 32, False, jnp.float32, dict(mode="dot_t", block_k=64, block_n=32, split_k=2)),
+    (3, 512, 80, 32, True, jnp.float32, dict(block_k=64, block_n=32, scales_mode="gather", split_k=2)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,g,sym,dt,kw", QV2)
+def test_qmatmul_variants_v2(m, k, n, g, sym, dt, kw):
+    rng = np.random.default_rng(m * 1000 + k + n + g)
+    w = rand_quant(rng, k, n, g, sym)
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+    y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=True, **kw)
+    assert y.shape == (m, n) and y.dtype == x.dtype
+    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
+    assert rel(y, ref) < TOL[dt]
+
+
+def test_qmatmul_tuned_table(tmp_path, monkeypatch):
+    import json
+
+    from pallas_kernels import int4_matmul as mm
+
+    path = tmp_path / "int4_tuned.json"
+    ent = {mm.tuned_key(1, 4096, 6144, 32, False): dict(block_k=128, block_n=64, mode="fma", decode="asm",
+                                                          reduce="atomic", us=9.9, variant="x"),
+           mm.tuned_key(8, 4096, 6144, 128, True): dict(block_k=128, block_n=256, num_warps=8)}
+    path.write_text(json.dumps({"version": 1, "entries": ent}))
+    monkeypatch.setenv("LUCEBOX_INT4_TUNED", str(path))
+    assert mm.tuned_key(16, 1, 2, 32, True) == "16:1:2:32:sym" and mm.tuned_key(65, 1, 2, 32, True) is None
+    c = mm.default_config(1, 4096, 6144, 32, jnp.bfloat16, on_gpu=True, symmetric=False)
+    assert (c["block_k"], c["block_n"], c["mode"], c["decode"], c["reduce"]) == (128, 64, "fma", "asm", "atomic")
+    assert "us" not in c and "variant" not in c
+    assert mm.default_config(1, 4096, 6144, 32, jnp.float32, on_gpu=True, symmetric=False)["decode"] == "f32"
+    assert mm.default_config(3, 4096, 6144, 128, on_gpu=True, symmetric=True)["block_n"] == 256  # bucket <= 16
+    heur = mm.default_config(1, 4096, 6144, 32, on_gpu=True, symmetric=True)  # not in the table: heuristics
+    assert heur["mode"] == "fma" and "reduce" not in heur
+    assert mm.default_config(1, 4096, 6144, 32, on_gpu=False, symmetric=False)["decode"] == "f32"  # CPU: no table
+    monkeypatch.setenv("LUCEBOX_INT4_TUNED", "off")
+    assert "reduce" not in mm.default_config(1, 4096, 6144, 32, on_gpu=True, symmetric=False)
+    monkeypatch.setenv("LUCEBOX_INT4_TUNED", str(tmp_path / "missing.json"))
+    assert "reduce" not in mm.default_config(1, 4096, 6144, 32, on_gpu=True, symmetric=False)
+
+
 # ------------------------------------------------------------------------------------------------ decode attention
 DCASES = [  # B, Hq, Hkv, S, D, lengths, dtype, knobs
     (3, 9, 3, 100, 64, [1, 37, 100], jnp.float32, dict(block_k=32, min_programs=32)),  # SmolLM2 heads, 4 splits
@@ -172,6 +222,10 @@ def test_gpu_qmatmul(m, g, sym):
     for decode in ("f32", "asm"):
         y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode=decode)
         assert rel(y, ref) < TOL[jnp.bfloat16]
+    for kw in (dict(block_k=128, block_n=64, reduce="atomic"), dict(mode="dot_t", block_k=128, block_n=64),
+               dict(mode="fma_r", block_k=64, block_n=128, num_warps=8), dict(mode="fma", block_k=128, block_n=64)):
+        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode="asm", **kw)
+        assert rel(y, ref) < TOL[jnp.bfloat16], kw
 
 
 @pytest.mark.gpu
