@@ -127,18 +127,24 @@ def worker_engine(a, which, part: Part, deadline):
     part.set("device", str(jax.devices()[0]))
     part.set("jax", jax.__version__)
     t0 = time.perf_counter()
+    from lucebox_jax.errors import ModelNotFoundError
+    from lucebox_jax.ops import KernelSet
+    from lucebox_jax.synthetic import PRESETS, random_weights
+
+    eng = None
     if which == "smol":
         from lucebox_jax import LLM
 
-        llm = LLM()
-        eng = llm.engine
-    else:
-        from lucebox_jax.ops import KernelSet
-        from lucebox_jax.synthetic import PRESETS, random_weights
-
-        cfg = PRESETS["tiny" if a.small else "llama3-8b"]
-        cfg = cfg.replace(dtype="float32" if jax.default_backend() == "cpu" else "bfloat16")
-        w = random_weights(cfg, group_size=32 if a.small else 128)
+        try:
+            eng = LLM().engine
+            part.set("weights", "embedded GGUF")
+        except ModelNotFoundError:  # the GPU machine has no GGUF: same shapes, random weights (speed is the same)
+            part.set("weights", "random at SmolLM2-135M shapes (GGUF not on this machine)")
+    if eng is None:
+        preset = "tiny" if a.small else ("smollm2-135m" if which == "smol" else "llama3-8b")
+        cfg = PRESETS[preset].replace(dtype="float32" if jax.default_backend() == "cpu" else "bfloat16")
+        g32 = a.small or which == "smol"
+        w = random_weights(cfg, group_size=32 if g32 else 128, asymmetric=which == "smol")
         jax.block_until_ready(w)
         eng = Engine(cfg, w, KernelSet.resolve())
     part.set("load_s", round(time.perf_counter() - t0, 2))
