@@ -16,15 +16,10 @@ CHAT_TEMPLATE = (
 
 
 def byte_tokens() -> list[str]:
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, (chr(c) for c in cs)))
+    """The 256 byte-level tokens of GPT-2 BPE, in byte order."""
+    from lucebox_jax.tokenizer import _bytes_to_unicode
+
+    table = _bytes_to_unicode()
     return [table[b] for b in range(256)]
 
 
