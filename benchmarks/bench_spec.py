@@ -1,0 +1,317 @@
+#!/usr/bin/env python3
+"""Speculative decoding benchmark (issue 4). One run, CPU or GPU:
+
+    cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_spec.py            # GPU: A + B
+    PYTHONPATH=. python3 benchmarks/bench_spec.py --small                                     # CPU: A, small
+
+A. Embedded SmolLM2-135M-Instruct: for each drafter (ngram, layers:N, a separate draft model = the embedded model
+   itself, i.e. acceptance upper bound at full draft cost) and K, on the same chat prompts at batch 1, greedy and
+   temperature 0.7: mean accepted drafts per step, tokens per target step, and wall-clock speedup over plain decoding
+   (each speculative pass is timed right after a plain pass of the same prompts; speedup = median of the per-pair
+   ratios, which keeps a noisy shared machine from biasing one side). Compile time is excluded.
+B. (GPU, or --synthetic) Llama-3-8B-shaped random int4 weights: time of one verify over K + 1 tokens (target forward
+   + acceptance) relative to one decode step, K = 1, 2, 4, 8, 16, at context 1024, batch 1; and the cost of one
+   draft token for layers:8 and a Llama-3.2-1B-shaped draft. From these, a PROJECTED speedup for assumed acceptance
+   rates (random weights say nothing about acceptance; no acceptance is measured here).
+
+A global deadline (--budget seconds, default 330) skips what is left, so the run fits one < 6 minute GPU call.
+Results: $OUT/bench_spec.json (or /tmp/spec_bench/bench_spec.json) and markdown tables on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+OUT = os.environ.get("OUT") or "/tmp/spec_bench"
+os.makedirs(OUT, exist_ok=True)
+T0 = time.time()
+RESULTS: dict = {"device": None, "embedded": [], "synthetic": None, "errors": [], "skipped": []}
+
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number, with a docstring.",
+    "Repeat the following sentence exactly three times: The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? Answer in one sentence.",
+    "List the days of the week, one per line.",
+    "Explain in two sentences what a hash table is.",
+    "Fix the bug: def add(a, b): return a - b",
+]
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def save():
+    with open(os.path.join(OUT, "bench_spec.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
+
+
+def left(budget):
+    return budget - (time.time() - T0)
+
+
+# ------------------------------------------------------------------------------------------------ A: embedded
+def bench_embedded(args):
+    from lucebox_jax import LLM, SamplingParams
+    from lucebox_jax.loader import default_model_path
+    from lucebox_jax.speculative import SpeculativeDecoder
+
+    llm = LLM()
+    tok = llm.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
+    drafters = args.drafters.split(",")
+    ks = [int(k) for k in args.ks.split(",")]
+    temps = [float(t) for t in args.temps.split(",")]
+
+    def one_pass(temp):
+        """Each prompt alone (batch 1); -> (seconds, tokens, spec stats per prompt)."""
+        secs, toks, stats = 0.0, 0, []
+        for i, p in enumerate(prompts):
+            sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True, seed=100 + i)
+            out = llm.generate(p, sp)
+            secs += llm.last_stats["seconds"]
+            toks += len(out[0].outputs[0].token_ids)
+            if "speculative" in llm.last_stats:
+                stats.append(llm.last_stats["speculative"])
+        return secs, toks, stats
+
+    configs = [(d, k) for k in sorted(ks, key=lambda k: (k != 4, k)) for d in drafters]  # K=4 of each first
+    if args.self_draft:
+        configs.append((f"model:{default_model_path()}", args.self_draft_k))
+    for temp in temps:  # warm the plain path
+        llm.spec = None
+        one_pass(temp)
+    for d, k in configs:
+        if left(args.budget) < args.reserve:
+            RESULTS["skipped"].append(f"embedded {d} K={k}")
+            log(f"skip {d} K={k}: budget")
+            continue
+        try:
+            spec = SpeculativeDecoder.create(llm.engine, d, k, tokenizer=tok)
+        except Exception as e:  # noqa: BLE001
+            RESULTS["errors"].append(f"{d} K={k}: {e}")
+            continue
+        for temp in temps:
+            llm.spec = spec
+            c0 = llm.engine.compile_seconds
+            one_pass(temp)  # compile
+            compile_s = llm.engine.compile_seconds - c0
+            ratios, base_tps, spec_tps, all_stats = [], [], [], []
+            for _ in range(args.reps):
+                llm.spec = None
+                bs, bt, _ = one_pass(temp)
+                llm.spec = spec
+                ss, st, stats = one_pass(temp)
+                ratios.append(bs / ss)
+                base_tps.append(bt / bs)
+                spec_tps.append(st / ss)
+                all_stats += stats
+            hist = np.sum([s["acceptance_histogram"] for s in all_stats], axis=0)
+            steps = int(hist.sum())
+            mean_acc = float(np.dot(np.arange(len(hist)), hist) / max(steps, 1))
+            row = {"drafter": spec.drafter.name, "k": k, "temperature": temp, "mean_accepted": round(mean_acc, 3),
+                   "tokens_per_step": round(mean_acc + 1, 3), "histogram": hist.tolist(),
+                   "plain_tok_s": round(statistics.median(base_tps), 2),
+                   "spec_tok_s": round(statistics.median(spec_tps), 2),
+                   "speedup": round(statistics.median(ratios), 3), "speedup_pairs": [round(r, 3) for r in ratios],
+                   "compile_s": round(compile_s, 1)}
+            RESULTS["embedded"].append(row)
+            save()
+            log(f"{row['drafter']:>24} K={k} T={temp}: accepted {mean_acc:.2f}/step, {row['spec_tok_s']} vs "
+                f"{row['plain_tok_s']} tok/s, speedup x{row['speedup']}  hist {row['histogram']}")
+        llm.spec = None
+
+
+# ------------------------------------------------------------------------------------------------ B: synthetic 8B
+def bench_synthetic(args):
+    from lucebox_jax.config import ModelConfig
+    from lucebox_jax.model import forward, init_cache
+    from lucebox_jax.ops import KernelSet
+    from lucebox_jax.sampling import RowParams, SamplingParams
+    from lucebox_jax.speculative import _verify, expected_tokens
+    from lucebox_jax.synthetic import PRESETS, random_weights
+
+    dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    cfg = PRESETS[args.syn_preset].replace(dtype=dtype)
+    kernels = KernelSet.resolve(None)
+    w = random_weights(cfg, jax.random.key(0), group_size=128 if cfg.dim >= 128 else 32)
+    ctx, s_len, reps = args.context, 2 * args.context, args.syn_reps
+    rp = RowParams.from_params([SamplingParams(temperature=0)])
+    seen = jnp.zeros((1, cfg.vocab_size), bool)
+
+    def timed(fn, *a):
+        out = fn(*a)
+        jax.block_until_ready(out)
+        ts = []
+        for _ in range(3):
+            t = time.perf_counter()
+            jax.block_until_ready(fn(*a))
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts) / reps * 1e3  # ms per step
+
+    def loop_of(step_fn, c):
+        @jax.jit
+        def run(weights, cache):
+            def body(_, carry):
+                cache, acc = carry
+                out, cache = step_fn(c, weights, cache)
+                return cache.replace(lengths=jnp.full((1,), ctx, jnp.int32)), acc + out
+            return jax.lax.fori_loop(0, reps, body, (cache, jnp.float32(0)))[1]
+        return run
+
+    def decode_fn(c):
+        def f(_, weights, cache):
+            logits, cache = forward(c, kernels, weights, cache, jnp.zeros((1, 1), jnp.int32), cache.lengths,
+                                    last_only=jnp.zeros((1,), jnp.int32))
+            return logits[0, 0], cache
+        return f
+
+    def verify_fn(k):
+        def f(c, weights, cache):
+            out, cache = _verify(c, kernels, weights, cache, jnp.zeros((1,), jnp.int32), jnp.zeros((1, k), jnp.int32),
+                                 None, rp, seen, jnp.ones((1,), bool), 0)
+            return out.next_token[0].astype(jnp.float32), cache
+        return f
+
+    def fresh(c):
+        return init_cache(c, 1, s_len).replace(lengths=jnp.full((1,), ctx, jnp.int32))
+
+    res = {"model": f"{args.syn_preset} shape, random int4 + int8 head", "context": ctx, "dtype": dtype,
+           "kernels": kernels.describe(), "verify": [], "draft": [], "projection": []}
+    RESULTS["synthetic"] = res
+    dec = timed(loop_of(decode_fn(cfg), cfg), w, fresh(cfg))
+    res["decode_ms"] = round(dec, 3)
+    log(f"target decode step: {dec:.2f} ms")
+    for k in [int(x) for x in args.syn_ks.split(",")]:
+        if left(args.budget) < 45:
+            RESULTS["skipped"].append(f"synthetic verify K={k}")
+            continue
+        v = timed(loop_of(verify_fn(k), cfg), w, fresh(cfg))
+        res["verify"].append({"k": k, "verify_ms": round(v, 3), "ratio": round(v / dec, 3)})
+        save()
+        log(f"target verify K={k} ({k + 1} tokens): {v:.2f} ms = {v / dec:.2f} x decode")
+    nl = min(8, cfg.n_layers - 1)
+    drafts = [(f"layers:{nl}", cfg.replace(n_layers=nl), w.replace(layers=w.layers[:nl]))]
+    c1 = ModelConfig(arch="llama", vocab_size=cfg.vocab_size, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                     head_dim=64, ffn_dim=8192, rope_theta=500000.0, max_context=8192, tied_embeddings=True,
+                     dtype=dtype)
+    if left(args.budget) > 60:
+        drafts.append(("llama3.2-1b-shape model", c1, random_weights(c1, jax.random.key(1))))
+    for name, c, dw in drafts:
+        if left(args.budget) < 40:
+            RESULTS["skipped"].append(f"synthetic draft {name}")
+            continue
+        d = timed(loop_of(decode_fn(c), c), dw, fresh(c))
+        res["draft"].append({"drafter": name, "draft_ms": round(d, 3), "ratio": round(d / dec, 3)})
+        log(f"draft {name}: {d:.2f} ms per token = {d / dec:.2f} x target decode")
+    save()
+    # projection: tokens per step for an assumed per-draft acceptance alpha / (verify + K drafts), in decode steps
+    costs = [("ngram", 0.0)] + [(x["drafter"], x["ratio"]) for x in res["draft"]]
+    for name, c in costs:
+        for alpha in (0.5, 0.7, 0.9):
+            for v in res["verify"]:
+                k = v["k"]
+                sp = expected_tokens(alpha, k) / (v["ratio"] + k * c)
+                res["projection"].append({"drafter": name, "alpha": alpha, "k": k, "projected_speedup": round(sp, 3)})
+    save()
+
+
+def tables():
+    lines = []
+    if RESULTS["embedded"]:
+        lines += ["| drafter | K | temp | accepted drafts/step | tokens/step | plain tok/s | spec tok/s | speedup |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in RESULTS["embedded"]:
+            lines.append(f"| {r['drafter']} | {r['k']} | {r['temperature']} | {r['mean_accepted']:.2f} | "
+                         f"{r['tokens_per_step']:.2f} | {r['plain_tok_s']} | {r['spec_tok_s']} | x{r['speedup']:.2f} |")
+    syn = RESULTS["synthetic"]
+    if syn:
+        lines += ["", f"{syn['model']}, context {syn['context']}, decode step {syn.get('decode_ms')} ms",
+                  "| K | verify ms | verify / decode |", "|---|---|---|"]
+        lines += [f"| {v['k']} | {v['verify_ms']} | {v['ratio']} |" for v in syn["verify"]]
+        lines += ["", "| draft | ms/token | / target decode |", "|---|---|---|"]
+        lines += [f"| {d['drafter']} | {d['draft_ms']} | {d['ratio']} |" for d in syn["draft"]]
+        if syn["projection"]:
+            ks = sorted({p["k"] for p in syn["projection"]})
+            lines += ["", "PROJECTED speedup (assumed acceptance alpha, not measured) | " + " | ".join(
+                f"K={k}" for k in ks), "|---|" + "---|" * len(ks)]
+            groups: dict = {}
+            for p in syn["projection"]:
+                groups.setdefault((p["drafter"], p["alpha"]), {})[p["k"]] = p["projected_speedup"]
+            for (d, a), row in groups.items():
+                lines.append(f"| {d}, alpha {a} | " + " | ".join(f"x{row.get(k, float('nan')):.2f}" for k in ks) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--small", action="store_true", help="CPU-sized: 3 prompts, 48 tokens, fewer configs")
+    ap.add_argument("--synthetic", action="store_true", help="run part B even without a GPU")
+    ap.add_argument("--no-embedded", action="store_true")
+    ap.add_argument("--no-synthetic", action="store_true")
+    ap.add_argument("--drafters", default=None)
+    ap.add_argument("--ks", default=None)
+    ap.add_argument("--temps", default="0,0.7")
+    ap.add_argument("--prompts", type=int, default=None)
+    ap.add_argument("--max-tokens", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=None,
+                    help="also the embedded model as its own separate draft model")
+    ap.add_argument("--self-draft-k", type=int, default=4)
+    ap.add_argument("--syn-ks", default="1,2,4,8,16")
+    ap.add_argument("--syn-reps", type=int, default=16)
+    ap.add_argument("--syn-preset", default="llama3-8b", help="synthetic.PRESETS name (tiny: a CPU smoke test)")
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run")
+    ap.add_argument("--reserve", type=float, default=None, help="seconds kept for part B")
+    args = ap.parse_args()
+    gpu = jax.default_backend() == "gpu"
+    small = args.small or not gpu
+    args.drafters = args.drafters or "ngram,layers:8"
+    args.ks = args.ks or ("2,4" if small else "2,4,8")
+    args.prompts = args.prompts or (3 if small else 4)
+    args.max_tokens = args.max_tokens or (48 if small else 96)
+    args.reps = args.reps or 2
+    args.self_draft = (not small) if args.self_draft is None else args.self_draft
+    run_syn = not args.no_synthetic and (gpu or args.synthetic)
+    if args.reserve is None:
+        args.reserve = 180.0 if run_syn else 0.0
+    RESULTS["device"] = str(jax.devices()[0])
+    RESULTS["args"] = vars(args)
+    log(f"device {RESULTS['device']}; {vars(args)}")
+    if not args.no_embedded:
+        try:
+            bench_embedded(args)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            RESULTS["errors"].append(f"embedded: {e!r}")
+    if run_syn:
+        try:
+            bench_synthetic(args)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            RESULTS["errors"].append(f"synthetic: {e!r}")
+    RESULTS["total_s"] = round(time.time() - T0, 1)
+    save()
+    log("\n" + tables())
+    log(f"\ntotal {RESULTS['total_s']} s; skipped: {RESULTS['skipped']}; errors: {RESULTS['errors']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,413 @@
+"""Speculative decoding: a drafter proposes K tokens per row, the target checks all of them in ONE forward over K + 1
+positions, and the longest acceptable prefix plus one target token is committed.
+
+- `accept_tokens`: the acceptance rule on logits. Greedy rows accept while the draft equals the target's argmax;
+  sampled rows use rejection sampling (accept d with probability min(1, p(d) / q(d)), resample the first rejection
+  from norm(max(p - q, 0)), a bonus token from p when all K are accepted), with temperature / top-k / top-p / min-p
+  applied to p exactly as plain sampling does (`sampling.filter_logits`), so the output distribution is the target's.
+  Randomness is keyed by (row seed, absolute position, purpose), so a run is reproducible and independent of batching.
+- `verify_step`: jitted once per K. Fixed shapes whatever is accepted: accepted count [B], committed tokens
+  [B, K + 1] padded with -1, next token [B]. Rejected positions are dropped by setting each row's cache length
+  (attention masks by absolute position, so stale K/V past the length is never read).
+- `spec_chunk`: `lax.while_loop` of (draft K tokens on device -> verify -> commit) steps; no host sync inside.
+- `SpeculativeDecoder`: the host driver. With a fixed K a whole completion is one device call; with adaptive K it
+  runs a few steps per call and picks the next K from the running acceptance rate among precompiled K values.
+
+Cache contract: position p of a row holds the K/V of the token at p for p < lengths[b]; the newest committed token
+(`tok`) sits at position lengths[b] and is not yet in the cache (as in `engine.decode_step`). A step writes positions
+L .. L + K, so the cache must hold L + K + 1 positions; `SpeculativeDecoder.cache_len` sizes it and rows that would
+overflow stop with finish reason "length".
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from .config import ModelConfig
+from .engine import MIN_CACHE, Engine, StepOut, pow2_at_least
+from .errors import InvalidSamplingParamsError
+from .model import KVCache, Weights, forward
+from .ops import KernelSet
+from .sampling import RowParams, filter_logits
+
+TAG_DRAFT, TAG_ACCEPT, TAG_RESAMPLE = 1, 2, 3
+AUTO_K = (1, 2, 4, 8)
+TRACE_COUNTS: collections.Counter = collections.Counter()  # ("verify", K) -> times traced (tests: no recompiles)
+
+
+# ---------------------------------------------------------------------------------------------------- randomness
+def keys_at(keys, positions, tag: int):
+    """Typed PRNG keys for raw row keys [B, 2] at absolute positions [B, J] and a purpose tag -> [B, J]."""
+    def one(k, p):
+        return jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), p), tag)
+
+    return jax.vmap(lambda k, ps: jax.vmap(lambda p: one(k, p))(ps))(keys, positions)
+
+
+def draw(logits, rp: RowParams, positions):
+    """Draft sampling: token [B] and its proposal distribution q [B, V] from logits [B, V] at positions [B].
+    Greedy rows take the argmax (their q is never used)."""
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def stochastic(_):
+        x = filter_logits(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p)
+        q = jax.nn.softmax(x, axis=-1)
+        keys = keys_at(rp.keys, positions[:, None], TAG_DRAFT)[:, 0]
+        g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
+        tok = jnp.argmax(x + g, axis=-1).astype(jnp.int32)
+        return jnp.where(rp.temperature > 0, tok, greedy_tok), q
+
+    return jax.lax.cond(jnp.any(rp.temperature > 0), stochastic,
+                        lambda _: (greedy_tok, jnp.zeros(logits.shape, jnp.float32)), None)
+
+
+# ---------------------------------------------------------------------------------------------------- acceptance
+def _penalize(logits, seen, drafts, penalty):
+    """Repetition penalty at each of the K + 1 verify positions: position j has also seen drafts d_1..d_j."""
+    b, k1, v = logits.shape
+    oh = jax.nn.one_hot(drafts, v, dtype=jnp.int32)  # [B, K, V]
+    cum = jnp.cumsum(oh, axis=1) > 0
+    seen_j = jnp.concatenate([jnp.zeros((b, 1, v), bool), cum], axis=1) | seen[:, None, :]
+    p = penalty[:, None, None]
+    return jnp.where(seen_j, jnp.where(logits > 0, logits / p, logits * p), logits)
+
+
+def target_probs(logits, rp: RowParams):
+    """Filtered target distribution p [B, J, V] (temperature, top-k, top-p, min-p per row, as plain sampling)."""
+    b, j, v = logits.shape
+    rep = lambda a: jnp.repeat(a, j)  # noqa: E731
+    x = filter_logits(logits.reshape(b * j, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p))
+    return jax.nn.softmax(x.reshape(b, j, v), axis=-1)
+
+
+def accept_from_probs(p, drafts, q, keys, pos0):
+    """Rejection sampling on given distributions: p [B, K+1, V] target, q [B, K, V] draft, drafts [B, K] drawn from q,
+    raw row keys [B, 2], pos0 [B] = absolute position of the first draft token. Returns (n_accepted [B], next [B])."""
+    b, k1, v = p.shape
+    k = k1 - 1
+    qq = jnp.concatenate([q, jnp.zeros((b, 1, v), q.dtype)], axis=1)
+    pd = jnp.take_along_axis(p[:, :k], drafts[..., None], axis=-1)[..., 0]
+    qd = jnp.take_along_axis(q, drafts[..., None], axis=-1)[..., 0]
+    positions = pos0[:, None] + jnp.arange(k1, dtype=jnp.int32)[None, :]
+    u = jax.vmap(jax.vmap(lambda kk: jax.random.uniform(kk, (), jnp.float32)))(
+        keys_at(keys, positions[:, :k], TAG_ACCEPT))
+    ok = u * qd < pd  # P(accept) = min(1, p/q)
+    n = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+    p_n = jnp.take_along_axis(p, n[:, None, None], axis=1)[:, 0]
+    q_n = jnp.take_along_axis(qq, n[:, None, None], axis=1)[:, 0]  # zeros when n == K: bonus token from p
+    r = jnp.maximum(p_n - q_n, 0.0)
+    r = jnp.where(jnp.sum(r, axis=-1, keepdims=True) > 0, r, p_n)
+    kn = keys_at(keys, (pos0 + n)[:, None], TAG_RESAMPLE)[:, 0]
+    g = jax.vmap(lambda kk: jax.random.gumbel(kk, (v,), jnp.float32))(kn)
+    nxt = jnp.argmax(jnp.where(r > 0, jnp.log(jnp.maximum(r, 1e-38)), -jnp.inf) + g, axis=-1).astype(jnp.int32)
+    return n.astype(jnp.int32), nxt
+
+
+def accept_tokens(logits, drafts, q, rp: RowParams, pos0, seen=None):
+    """Acceptance on raw target logits [B, K+1, V] (float32). q: draft probabilities [B, K, V], or None for a
+    deterministic drafter (q = one-hot at the draft). Returns (n_accepted [B] in 0..K, next token [B])."""
+    b, k1, v = logits.shape
+    k = k1 - 1
+    if seen is not None:
+        logits = jax.lax.cond(jnp.any(rp.rep_penalty != 1.0),
+                              lambda x: _penalize(x, seen, drafts, rp.rep_penalty), lambda x: x, logits)
+    arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
+    n_g = jnp.sum(jnp.cumprod((drafts == arg[:, :k]).astype(jnp.int32), axis=1), axis=1)
+    next_g = jnp.take_along_axis(arg, n_g[:, None], axis=1)[:, 0]
+
+    def stochastic(_):
+        p = target_probs(logits, rp)
+        qd = jax.nn.one_hot(drafts, v, dtype=jnp.float32) if q is None else q
+        n_s, next_s = accept_from_probs(p, drafts, qd, rp.keys, pos0)
+        hot = rp.temperature > 0
+        return jnp.where(hot, n_s, n_g), jnp.where(hot, next_s, next_g)
+
+    n, nxt = jax.lax.cond(jnp.any(rp.temperature > 0), stochastic, lambda _: (n_g, next_g), None)
+    return n.astype(jnp.int32), nxt.astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------------- verify
+@struct.dataclass
+class VerifyOut:
+    n_accepted: jax.Array  # [B] accepted drafts, 0..K (0 for inactive rows)
+    tokens: jax.Array  # [B, K+1] committed tokens: d_1..d_n, then the target's next token; -1 after
+    next_token: jax.Array  # [B]
+    logprob: jax.Array  # [B, K+1] raw logprob of each committed token
+    top_ids: jax.Array  # [B, K+1, k]
+    top_vals: jax.Array  # [B, K+1, k]
+
+
+def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, active, n_logprobs):
+    k = drafts.shape[1]
+    TRACE_COUNTS[("verify", k)] += 1  # runs at trace time only
+    b = tok.shape[0]
+    start = cache.lengths
+    tokens = jnp.concatenate([tok[:, None], drafts], axis=1)  # positions start .. start + K
+    logits, cache = forward(cfg, kernels, weights, cache, tokens, start)  # [B, K+1, V]
+    n, nxt = accept_tokens(logits, drafts, q, rp, start + 1, seen)
+    n = jnp.where(active, n, 0)
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    committed = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], nxt[:, None], -1))
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.maximum(committed, 0)[..., None], axis=-1)[..., 0]
+    if n_logprobs > 0:
+        vals, ids = jax.lax.top_k(lp, n_logprobs)
+    else:
+        vals, ids = jnp.zeros((b, k + 1, 0), jnp.float32), jnp.zeros((b, k + 1, 0), jnp.int32)
+    cache = cache.replace(lengths=jnp.where(active, start + n + 1, start))
+    return VerifyOut(n, committed, nxt, chosen, ids.astype(jnp.int32), vals), cache
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "n_logprobs"), donate_argnames=("cache",))
+def verify_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: KVCache, tok, drafts, q,
+                rp: RowParams, seen, active, n_logprobs: int = 0):
+    """Run the target once over [tok, d_1..d_K] at positions lengths .. lengths + K and decide acceptance.
+
+    tok [B]: each row's newest committed token (at position cache.lengths, not yet in the cache); drafts [B, K];
+    q [B, K, V] draft probabilities or None (deterministic drafter); seen [B, V] (repetition penalty); active [B].
+    Returns (VerifyOut, cache with lengths advanced by n_accepted + 1 on active rows). Shapes depend on K only."""
+    return _verify(cfg, kernels, weights, cache, tok, drafts, q, rp, seen, active, n_logprobs)
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+@struct.dataclass
+class SpecState:
+    cache: KVCache
+    dstate: object  # the drafter's state (its KV cache, a token history, ...)
+    prev: jax.Array  # [B] token at position lengths - 1
+    tok: jax.Array  # [B] newest committed token, at position lengths
+    seen: jax.Array  # [B, V]
+    done: jax.Array  # [B]
+    count: jax.Array  # [B] tokens in `bufs`
+    bufs: StepOut  # [B, M, ...]
+    hist: jax.Array  # [Kmax + 1] row-steps by number of accepted drafts
+    steps: jax.Array  # () target forwards (verify calls) run
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "drafter", "k", "n_logprobs"),
+                   donate_argnames=("state",))
+def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, dparams, state: SpecState,
+               rp: RowParams, stop_ids, row_max, max_steps, k: int, n_logprobs: int = 0):
+    """Up to `max_steps` speculative steps with K = k drafts, until every row is done. Fixed shapes throughout."""
+    b, m = state.bufs.tokens.shape
+    s = state.cache.max_len
+    kmax = state.hist.shape[0] - 1
+    rows = jnp.arange(b)[:, None]
+    j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+
+    def cond(c):
+        i, st = c
+        return (i < max_steps) & ~jnp.all(st.done)
+
+    def body(c):
+        i, st = c
+        start = st.cache.lengths
+        active = ~st.done
+        drafts, q, dstate = drafter.propose(dparams, st.dstate, st.prev, st.tok, start, rp, k)
+        vo, cache = _verify(cfg, kernels, weights, st.cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs)
+        n = vo.n_accepted
+        toks = vo.tokens
+        stop = jnp.any(toks[..., None] == stop_ids[None, None, :], axis=-1) & (j <= n[:, None])
+        first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), k + 1)
+        keep = (active[:, None] & (j <= n[:, None]) & (j <= first_stop[:, None])
+                & (j < (row_max - st.count)[:, None]))
+        idx = jnp.where(keep, st.count[:, None] + j, m)  # m: out of bounds, dropped
+        put = lambda buf, val: buf.at[rows, idx].set(val, mode="drop")  # noqa: E731
+        bufs = StepOut(put(st.bufs.tokens, toks), put(st.bufs.logprob, vo.logprob),
+                       put(st.bufs.top_ids, vo.top_ids), put(st.bufs.top_vals, vo.top_vals))
+        count = st.count + jnp.sum(keep, axis=1).astype(jnp.int32)
+        done = (st.done | jnp.any(stop & keep, axis=1) | (count >= row_max)
+                | (cache.lengths + kmax + 1 > s))
+        seen = st.seen | jnp.any(jax.nn.one_hot(jnp.where(keep, toks, -1), st.seen.shape[-1], dtype=bool), axis=1)
+        prev = jnp.where(n > 0, jnp.take_along_axis(drafts, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], st.tok)
+        dstate = drafter.commit(dstate, st.tok, drafts, n, start)
+        hist = st.hist + jnp.sum(jax.nn.one_hot(n, kmax + 1, dtype=jnp.int32) * active[:, None], axis=0)
+        new = SpecState(cache=cache, dstate=dstate, prev=jnp.where(active, prev, st.prev),
+                        tok=jnp.where(active, vo.next_token, st.tok), seen=seen, done=done, count=count, bufs=bufs,
+                        hist=hist, steps=st.steps + 1)
+        return i + 1, new
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state
+
+
+# ---------------------------------------------------------------------------------------------------- driver
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens per step when each draft is accepted independently with probability alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+class SpeculativeDecoder:
+    """Drives speculative generation for an `Engine` with a drafter (see drafters.py).
+
+    num_draft: an int K (fixed; one device call per completion) or "auto" (adaptive among `k_choices`)."""
+
+    def __init__(self, engine: Engine, drafter, num_draft: int | str = 4, k_choices=AUTO_K,
+                 adapt_every: int = 4, verify_cost: float | None = None, stream_steps: int = 2):
+        if isinstance(num_draft, str):
+            if num_draft.strip().lower() != "auto":
+                try:
+                    num_draft = int(num_draft)
+                except ValueError:
+                    raise InvalidSamplingParamsError(
+                        f"num_draft must be an integer >= 1 or 'auto', got {num_draft!r}") from None
+        if isinstance(num_draft, str):
+            self.ks = tuple(sorted(set(int(x) for x in k_choices)))
+            self.adaptive = True
+        else:
+            if isinstance(num_draft, bool) or not isinstance(num_draft, int) or not 1 <= num_draft <= 64:
+                raise InvalidSamplingParamsError(f"num_draft must be an integer in 1..64 or 'auto', got {num_draft!r}")
+            self.ks = (num_draft,)
+            self.adaptive = False
+        self.engine = engine
+        self.drafter = drafter
+        self.kmax = max(self.ks)
+        self.adapt_every = adapt_every
+        self.stream_steps = stream_steps
+        # cost of one extra verified position relative to a decode step (for adaptive K; bench_spec measures it)
+        self.verify_cost = verify_cost if verify_cost is not None else (
+            0.35 if jax.default_backend() == "cpu" else 0.03)
+        self.last_stats: dict = {}
+
+    @classmethod
+    def create(cls, engine: Engine, draft, num_draft: int | str = 4, tokenizer=None, **kw) -> "SpeculativeDecoder":
+        from .drafters import build
+
+        return cls(engine, build(draft, engine, tokenizer=tokenizer), num_draft, **kw)
+
+    def describe(self) -> str:
+        k = f"auto{list(self.ks)}" if self.adaptive else str(self.ks[0])
+        return f"{self.drafter.name}, K={k}"
+
+    def cache_len(self, needed: int) -> int:
+        """Cache positions for prompt + completion of `needed` tokens plus the K + 1 a verify writes."""
+        return pow2_at_least(needed + self.kmax + 1, MIN_CACHE)
+
+    # -------------------------------------------------------------------------------------------- state
+    def _init(self, cache: KVCache, prompts, first: StepOut, seen, stop_ids, row_max, n_logprobs):
+        b = len(prompts)
+        needed = max(len(p) for p in prompts) + int(np.max(row_max)) + self.kmax + 1
+        if cache.max_len < needed:
+            raise InvalidSamplingParamsError(
+                f"cache holds {cache.max_len} positions but speculative decoding needs {needed} "
+                f"(prompt + max_tokens + K + 1); size it with SpeculativeDecoder.cache_len")
+        max_new = pow2_at_least(int(np.max(row_max)), 16)
+        m = max_new + self.kmax + 1
+        k = n_logprobs
+        put0 = lambda buf, val: buf.at[:, 0].set(val)  # noqa: E731
+        bufs = StepOut(put0(jnp.full((b, m), -1, jnp.int32), first.tokens),
+                       put0(jnp.zeros((b, m), jnp.float32), first.logprob),
+                       put0(jnp.zeros((b, m, k), jnp.int32), first.top_ids),
+                       put0(jnp.zeros((b, m, k), jnp.float32), first.top_vals))
+        stop = jnp.asarray(np.asarray(sorted(stop_ids) or [-2], np.int32))
+        row_max = jnp.asarray(row_max, jnp.int32)
+        done = jnp.any(first.tokens[:, None] == stop[None, :], axis=-1) | (row_max <= 1)
+        deng = getattr(self.drafter, "engine", None)
+        c0 = deng.compile_seconds if deng is not None else 0.0
+        dstate = self.drafter.init_state(prompts, cache.max_len)
+        if deng is not None:  # the draft's prefill compiles count as compile time of the run
+            self.engine.compile_seconds += deng.compile_seconds - c0
+        state = SpecState(cache=cache, dstate=dstate, prev=jnp.asarray([p[-1] for p in prompts], jnp.int32),
+                          tok=first.tokens, seen=seen, done=done, count=jnp.ones((b,), jnp.int32), bufs=bufs,
+                          hist=jnp.zeros((self.kmax + 1,), jnp.int32), steps=jnp.int32(0))
+        return state, stop, row_max, max_new
+
+    def _chunk(self, state: SpecState, rp, stop, row_max, max_steps: int, k: int, n_logprobs: int):
+        eng = self.engine
+        key = ("spec", self.drafter.key, k, state.bufs.tokens.shape, state.cache.max_len, n_logprobs,
+               stop.shape[0], self.kmax)
+        return eng._timed_first(key, spec_chunk, eng.cfg, eng.kernels, self.drafter, eng.weights,
+                                self.drafter.params, state, rp, stop, row_max, jnp.int32(max_steps), k=k,
+                                n_logprobs=n_logprobs)
+
+    def _pick_k(self, hist: np.ndarray, k_steps: dict) -> int:
+        """Adaptive K: estimate the per-draft acceptance rate from the histogram so far and pick the K of best
+        expected tokens per unit cost, cost(K) = 1 + K * (draft cost + verify cost per extra position)."""
+        if not self.adaptive:
+            return self.ks[0]
+        drafted = sum(k * s for k, s in k_steps.items())
+        accepted = float(np.dot(np.arange(len(hist)), hist))
+        alpha = (accepted + 2.0) / (drafted + 4.0)  # prior 0.5 worth 4 drafts
+        alpha = min(alpha, 0.98)
+        per = self.drafter.cost_ratio + self.verify_cost
+        return max(self.ks, key=lambda k: expected_tokens(alpha, k) / (1.0 + k * per))
+
+    def _steps(self, state, rp, stop, row_max, n_logprobs, steps_per_call: int | None):
+        """Generator over (state, k) after each device call until all rows are done."""
+        k_steps: dict = collections.Counter()
+        k = self.ks[len(self.ks) // 2] if self.adaptive else self.ks[0]
+        while True:
+            per_call = steps_per_call or (self.adapt_every if self.adaptive else 1 << 30)
+            steps0 = int(state.steps)
+            state = self._chunk(state, rp, stop, row_max, per_call, k, n_logprobs)
+            hist = np.asarray(state.hist)
+            k_steps[k] += int(state.steps) - steps0
+            self._k_steps = k_steps
+            yield state
+            if bool(np.all(np.asarray(state.done))):
+                return
+            k = self._pick_k(hist, k_steps)
+
+    def _stats(self, state: SpecState, seconds: float | None = None) -> dict:
+        hist = np.asarray(state.hist).astype(int)
+        rows = int(hist.sum())
+        mean_acc = float(np.dot(np.arange(len(hist)), hist) / rows) if rows else 0.0
+        st = {"drafter": self.drafter.name, "num_draft": "auto" if self.adaptive else self.ks[0],
+              "target_steps": int(state.steps), "row_steps": rows, "mean_accepted": mean_acc,
+              "tokens_per_step": mean_acc + 1.0 if rows else 0.0, "acceptance_histogram": hist.tolist(),
+              "k_steps": {int(k): int(v) for k, v in sorted(getattr(self, "_k_steps", {}).items())}}
+        if seconds is not None:
+            st["seconds"] = seconds
+        return st
+
+    # -------------------------------------------------------------------------------------------- public
+    def loop(self, cache: KVCache, prompts, first: StepOut, rp: RowParams, seen, stop_ids, row_max,
+             n_logprobs: int = 0):
+        """Speculative counterpart of `Engine.loop`: returns (bufs [B, max_new, ...], count [B], cache)."""
+        t0 = time.perf_counter()
+        state, stop, row_max_d, max_new = self._init(cache, prompts, first, seen, stop_ids, row_max, n_logprobs)
+        for state in self._steps(state, rp, stop, row_max_d, n_logprobs, None):
+            pass
+        self.last_stats = self._stats(state, time.perf_counter() - t0)
+        bufs = jax.tree.map(lambda a: a[:, :max_new], state.bufs)
+        return bufs, state.count, state.cache
+
+    def stream_chunks(self, cache: KVCache, prompts, first: StepOut, rp: RowParams, seen, stop_ids,
+                      max_new: int) -> Iterator[list[int]]:
+        """For one row: lists of new tokens after the first one, one list per device call of a few steps."""
+        state, stop, row_max_d, _ = self._init(cache, prompts, first, seen, stop_ids, np.array([max_new]), 0)
+        sent = 1
+        for state in self._steps(state, rp, stop, row_max_d, 0, self.stream_steps):
+            count = int(state.count[0])
+            self.last_stats = self._stats(state)
+            if count > sent:
+                yield [int(t) for t in np.asarray(state.bufs.tokens[0, sent:count])]
+                sent = count
+
+
+def format_stats(st: dict) -> str:
+    """One line for stderr: mean accepted drafts, tokens per target step and the acceptance histogram."""
+    hist = st.get("acceptance_histogram", [])
+    total = max(1, sum(hist))
+    h = " ".join(f"{i}:{c}" for i, c in enumerate(hist))
+    pct = " ".join(f"{100.0 * c / total:.0f}%" for c in hist)
+    ks = st.get("k_steps") or {}
+    kinfo = f" | K used {ks}" if len(ks) > 1 else ""
+    return (f"speculative [{st.get('drafter')}, K={st.get('num_draft')}]: mean accepted {st.get('mean_accepted', 0):.2f}"
+            f" drafts/step, {st.get('tokens_per_step', 0):.2f} tokens/step over {st.get('row_steps', 0)} steps | "
+            f"histogram (accepted: steps) {h} ({pct}){kinfo}")
+
+
+__all__ = ["accept_tokens", "accept_from_probs", "target_probs", "verify_step", "VerifyOut", "spec_chunk",
+           "SpeculativeDecoder", "SpecState", "expected_tokens", "format_stats", "TRACE_COUNTS", "keys_at", "draw"]
