@@ -26,7 +26,6 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from lucebox_jax import ops  # noqa: E402
 from lucebox_jax.engine import decode_step, generate_loop, sample_first  # noqa: E402
 from lucebox_jax.model import init_cache  # noqa: E402
 from lucebox_jax.ops import KernelSet  # noqa: E402
