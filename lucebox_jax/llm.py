@@ -148,6 +148,9 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Raw prompts (no chat template), as strings or {"prompt_token_ids": [...]}; one RequestOutput each."""
         reqs = self._requests(prompts, sampling_params)
+        if len(reqs) > self.max_batch and self.spec is None and all(
+                r.params.logprobs is None and r.params.prompt_logprobs is None for r in reqs):
+            return self._generate_continuous(reqs, use_tqdm)
         outs: list[RequestOutput | None] = [None] * len(reqs)
         order = sorted(range(len(reqs)), key=lambda i: len(reqs[i].ids))  # similar lengths batch together
         bar = None
@@ -162,6 +165,34 @@ class LLM:
                 outs[i] = o
             if bar:
                 bar.update(len(idx))
+        if bar:
+            bar.close()
+        return outs
+
+    def _generate_continuous(self, reqs: list[_Request], use_tqdm: bool) -> list[RequestOutput]:
+        """More prompts than `max_batch`: continuous batching over `max_batch` slots (scheduler.py), so a finished
+        request's slot is refilled at once instead of waiting for the longest request of a static batch."""
+        from .scheduler import Scheduler, SlotRequest
+
+        cfg = self.config
+        budgets = [min(r.params.max_tokens, cfg.max_context - len(r.ids)) for r in reqs]
+        sreqs = [SlotRequest(i, r.ids, dataclasses.replace(r.params, seed=r.seed), frozenset(self._stop_ids(r.params)),
+                             m) for i, (r, m) in enumerate(zip(reqs, budgets))]
+        max_len = self.engine.cache_len_for(max(len(r.ids) + m for r, m in zip(reqs, budgets)))
+        sched = Scheduler(self.engine, slots=self.max_batch, max_len=max_len)
+        outs: list[RequestOutput | None] = [None] * len(reqs)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        for batch in sched.run(sreqs):
+            for f in batch:
+                i = f.request.key
+                outs[i] = RequestOutput(str(i), reqs[i].prompt, reqs[i].ids, None,
+                                        [self._finish(reqs[i], f.token_ids, budgets[i])])
+            if bar:
+                bar.update(len(batch))
         if bar:
             bar.close()
         return outs

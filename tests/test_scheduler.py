@@ -101,3 +101,19 @@ def test_rejects_requests_that_do_not_fit(tiny_llm):
     sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=32, steps_per_call=STEPS)
     with pytest.raises(ValueError, match="does not fit"):
         list(sched.run([SlotRequest("a", [1] * 30, SamplingParams(seed=0), frozenset(), 5)]))
+
+
+def test_llm_generate_many_prompts_uses_continuous_batching(tiny_llm):
+    """More prompts than max_batch go through the scheduler and give the same greedy results as static batches."""
+    prompts = ["hello", "a longer prompt about cats and dogs", "x", "the quick brown fox", "12345 678"]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (6, 3, 9, 5, 7)]
+    static = [o.outputs[0] for o in tiny_llm.generate(prompts, params)]  # 5 <= max_batch: static batch
+    old = tiny_llm.max_batch
+    tiny_llm.max_batch = 2
+    try:
+        cont = [o.outputs[0] for o in tiny_llm.generate(prompts, params)]
+    finally:
+        tiny_llm.max_batch = old
+    assert [c.token_ids for c in cont] == [c.token_ids for c in static]
+    assert [c.text for c in cont] == [c.text for c in static]
+    assert [c.finish_reason for c in cont] == [c.finish_reason for c in static]
