@@ -338,29 +338,6 @@ def default_shape(engine, slots: int | None = None, max_context: int | None = No
     return slots, ctx
 
 
-class _ChatRenderer:
-    """The model's chat template compiled once (Tokenizer.apply_chat_template compiles it on every call)."""
-
-    def __init__(self, tok):
-        self.tok = tok
-        self.tmpl = None
-        try:
-            from .tokenizer import _jinja_env
-
-            if tok.chat_template:
-                self.tmpl = _jinja_env().from_string(tok.chat_template)
-                name = lambda i: tok._tokens[i] if i is not None else ""  # noqa: E731
-                self.vars = {"bos_token": name(tok.bos_id), "eos_token": name(tok.eos_id),
-                             "unk_token": name(tok.unk_id), "pad_token": name(tok.pad_id)}
-        except Exception:  # noqa: BLE001 - fall back to the tokenizer's own path
-            self.tmpl = None
-
-    def __call__(self, messages) -> str:
-        if self.tmpl is None:
-            return self.tok.apply_chat_template(messages, add_generation_prompt=True)
-        return self.tmpl.render(**self.vars, messages=[dict(m) for m in messages], add_generation_prompt=True)
-
-
 def _fmt_id(v) -> str:
     return repr(v) if isinstance(v, str) else str(v)
 
@@ -415,7 +392,6 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
     steps = cfg.steps_per_call or (8 if jax.default_backend() == "cpu" else 16)
     max_len = -(-ctx // 64) * 64
     summ.slots, summ.max_context = slots, ctx
-    chat = _ChatRenderer(tok)
 
     def stop_check(r: SlotRequest, ids: list[int]) -> bool:
         stops = r.params.stop
@@ -452,7 +428,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
                 emit(it, error_record(it, *it.error), False)
                 continue
             try:
-                text = it.prompt if it.prompt is not None else chat(it.messages)
+                text = it.prompt if it.prompt is not None else tok.apply_chat_template(it.messages)
                 ids = tok.encode(text)
             except LuceboxError as e:
                 emit(it, error_record(it, "invalid_messages" if it.messages else "invalid_request",
