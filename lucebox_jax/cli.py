@@ -53,6 +53,11 @@ def _params(args):
                           seed=args.seed, stop=args.stop)
 
 
+def _json_default(o):
+    """numpy scalars and arrays in the stats -> plain JSON."""
+    return o.tolist() if hasattr(o, "tolist") else str(o)
+
+
 def _list_kernels() -> str:
     from . import ops
 
@@ -116,7 +121,8 @@ def _run(args) -> int:
                       "total_tokens": s["prompt_tokens"] + s["completion_tokens"]},
             "timings": {k: round(s[k], 4) for k in ("compile_seconds", "prefill_seconds", "decode_seconds",
                                                      "prefill_tok_s", "decode_tok_s")},
-        }, ensure_ascii=False))
+            **({"speculative": s["speculative"]} if s.get("speculative") else {}),
+        }, ensure_ascii=False, default=_json_default))
     print(f"[{llm.source}; kernels {llm.kernels.describe()}]\n"
           f"load {llm.load_seconds:.2f} s | compile {s['compile_seconds']:.2f} s | "
           f"prefill {s['prompt_tokens']} tok at {s['prefill_tok_s']:.1f} tok/s | "

@@ -250,6 +250,15 @@ def test_cli_draft_prints_histogram(tiny_gguf, tmp_path):
                        env=dict(os.environ, LUCEBOX_CHECKPOINTS=str(tmp_path)))
     assert r.returncode == 0, r.stderr
     assert "mean accepted" in r.stderr and "histogram" in r.stderr
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--model", tiny_gguf, "--prompt", "abcabcabc",
+                        "--raw", "--max-tokens", "8", "--draft", "ngram", "--num-draft", "2", "--output-format",
+                        "json"], capture_output=True, text=True, timeout=600, cwd=ROOT,
+                       env=dict(os.environ, LUCEBOX_CHECKPOINTS=str(tmp_path)))
+    assert r.returncode == 0, r.stderr
+    import json
+
+    spec = json.loads(r.stdout)["speculative"]
+    assert spec and "mean_accepted" in spec
     r = subprocess.run([sys.executable, os.path.join(ROOT, "run.py"), "--model", tiny_gguf, "--prompt", "hi",
                         "--draft", "layers:9"], capture_output=True, text=True, timeout=600, cwd=ROOT,
                        env=dict(os.environ, LUCEBOX_CHECKPOINTS=str(tmp_path)))
