@@ -8,6 +8,9 @@ and Llama-3-8B, int4 group 128. Also counts the kernels one compiled decode step
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py                       # GPU defaults
     python benchmarks/bench_decode.py --small                                   # CPU smoke run
+    python benchmarks/bench_decode.py --models smollm2-135m --batches 1 --profile   # + per-kernel GPU time/step
+--profile runs each timed loop once more under the JAX profiler and adds, per row, GPU kernels by name and by coarse
+category (launches/step, us/step) with GPU-busy vs GPU-span vs wall time per step (the gaps between kernels).
 Writes $OUT/bench_decode.json (or ./bench_decode.json) and prints a table last.
 """
 
@@ -28,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from lucebox_jax.engine import decode_step, generate_loop, sample_first  # noqa: E402
 from lucebox_jax.model import init_cache  # noqa: E402
+from lucebox_jax import ops  # noqa: E402
 from lucebox_jax.ops import KernelSet  # noqa: E402
 from lucebox_jax.quant import weight_nbytes  # noqa: E402
 from lucebox_jax.sampling import RowParams, SamplingParams  # noqa: E402
@@ -54,7 +58,81 @@ def count_kernels(compiled_text: str) -> int:
     return len(ops_)
 
 
-def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_tokens: int, reps: int):
+def trace_gpu_events(run):
+    """Run `run()` under the JAX profiler; [(name, start_ns, duration_ns)] of the GPU stream events, or None."""
+    import tempfile
+
+    from jax._src import profiler as jprof
+
+    jax.profiler.start_trace(tempfile.mkdtemp())
+    try:
+        run()
+    finally:
+        with jprof._profile_state.lock:
+            xs = jprof._profile_state.profile_session.stop()
+            jprof._profile_state.reset()
+    pd = jax.profiler.ProfileData.from_serialized_xspace(xs)
+    evs = [(ev.name, ev.start_ns, ev.duration_ns) for plane in pd.planes if plane.name.startswith("/device:GPU")
+           for line in plane.lines if line.name.startswith("Stream") for ev in line.events]
+    return evs or None
+
+
+CATEGORIES = [(r"int(\d)_matmul", r"pallas int\1 GEMV"), (r"attention|decode", "pallas attention"),
+              (r"gemm|dot|cublas|cutlass|matmul", "XLA matmul"), (r"memset|memcpy|copy", "copy"),
+              (r"reduce", "XLA reduce fusion"), (r"fusion|wrapped_|^loop_|^input_", "XLA fusion")]
+
+
+def kernel_category(name: str) -> str:
+    for pat, cat in CATEGORIES:
+        m = re.search(pat, name, re.I)
+        if m:
+            return m.expand(cat)
+    return "other"
+
+
+def profile_summary(events, steps: int, wall_ms: float | None = None, top: int = 15) -> dict:
+    """Aggregate (name, start_ns, duration_ns) events over `steps` decode steps: per kernel name and per category,
+    launches/step and us/step (sorted by time; the top `top` names plus "other"), GPU-busy/span/wall per step."""
+    agg, cats = {}, {}
+    for name, _, dur in events:
+        for d, k in ((agg, name), (cats, kernel_category(name))):
+            n, t = d.get(k, (0, 0))
+            d[k] = (n + 1, t + dur)
+
+    def rows(d):
+        return [dict(name=k, launches=n / steps, us=t / 1e3 / steps)
+                for k, (n, t) in sorted(d.items(), key=lambda x: -x[1][1])]
+
+    kern = rows(agg)
+    for r in kern:
+        r["category"] = kernel_category(r["name"])
+    if len(kern) > top:
+        rest = kern[top:]
+        kern = kern[:top] + [dict(name=f"other ({len(rest)} names)", launches=sum(r["launches"] for r in rest),
+                                  us=sum(r["us"] for r in rest), category="")]
+    lo = min(s for _, s, _ in events)
+    hi = max(s + d for _, s, d in events)
+    return dict(steps=steps, busy_us_per_step=sum(d for *_, d in events) / 1e3 / steps,
+                span_us_per_step=(hi - lo) / 1e3 / steps, wall_us_per_step=None if wall_ms is None else wall_ms * 1e3,
+                launches_per_step=len(events) / steps, kernels=kern, categories=rows(cats))
+
+
+def print_profile(p: dict):
+    if "error" in p:
+        print(f"  profile: {p['error']}")
+        return
+    wall = "" if p["wall_us_per_step"] is None else f"  wall {p['wall_us_per_step']:.1f}"
+    print(f"  profile per step (us): GPU busy {p['busy_us_per_step']:.1f}  span {p['span_us_per_step']:.1f}{wall}  "
+          f"launches {p['launches_per_step']:.1f}")
+    busy = max(p["busy_us_per_step"], 1e-9)
+    for title, key in (("kernel", "kernels"), ("category", "categories")):
+        print(f"  {title:60} {'n/step':>7} {'us/step':>9} {'%busy':>6}")
+        for r in p[key]:
+            print(f"  {r['name'][:60]:60} {r['launches']:7.1f} {r['us']:9.2f} {100 * r['us'] / busy:6.1f}")
+
+
+def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_tokens: int, reps: int,
+                profile: bool = False):
     s = ctx + n_tokens + 16
     s = ((s + 255) // 256) * 256
     cache = init_cache(cfg, batch, s)
@@ -86,9 +164,28 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
     kv_bytes = 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.head_dim * (ctx + n_tokens // 2) * jnp.dtype(cfg.dtype).itemsize
     w_bytes = weight_nbytes(weights) - weights.embed.table.nbytes - (
         weights.embed.scales.nbytes if weights.embed.scales is not None else 0) + batch * cfg.dim * 3
-    return dict(model=name, kernels=kernels.describe(), batch=batch, ctx=ctx, ms_per_step=dt * 1e3,
-                tok_s=batch / dt, step_bytes=w_bytes + kv_bytes, weight_bytes=w_bytes, kv_bytes=kv_bytes,
-                kernels_per_step=n_kernels, compile_s=compile_s)
+    r = dict(model=name, kernels=kernels.describe(), batch=batch, ctx=ctx, ms_per_step=dt * 1e3,
+             tok_s=batch / dt, step_bytes=w_bytes + kv_bytes, weight_bytes=w_bytes, kv_bytes=kv_bytes,
+             kernels_per_step=n_kernels, compile_s=compile_s)
+    if profile:  # the same compiled loop once more, under the profiler
+        try:
+            cache = init_cache(cfg, batch, s).replace(lengths=jnp.full((batch,), ctx, jnp.int32))
+            seen = jnp.zeros((batch, cfg.vocab_size), bool)
+            jax.block_until_ready((cache, seen))
+            evs = trace_gpu_events(lambda: jax.block_until_ready(
+                generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)))
+            r["profile"] = (profile_summary(evs, n_tokens - 1, dt * 1e3) if evs else
+                            {"error": f"no GPU trace (backend {jax.default_backend()})"})
+        except Exception as e:  # profiling must never lose the row
+            r["profile"] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    return r
+
+
+def short(kernels: str) -> str:
+    """Only the ops whose kernel differs from this backend's default ("default" when none does)."""
+    pairs = [item.split("=", 1) for item in kernels.split(",") if "=" in item]
+    diff = [f"{op}={name}" for op, name in pairs if name != ops.default_name(op)]
+    return ",".join(diff) or "default"
 
 
 def main():
@@ -101,7 +198,11 @@ def main():
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true", help="per-kernel GPU time per step (JAX profiler), per row")
+    ap.add_argument("--kernels-module", default=None, help="module whose @ops.register calls add kernels to compare")
     args = ap.parse_args()
+    if args.kernels_module:
+        ops.import_kernel_module(args.kernels_module)
     backend = jax.default_backend()
     dtype = "bfloat16" if backend == "gpu" else "float32"
     if args.small:
@@ -133,13 +234,19 @@ def main():
                                (model == "llama3-8b" and b != 1)):
                     continue  # the XLA baseline only where it is compared (compiles are the cost)
                 try:
-                    r = bench_model(model, cfg, weights, ks, b, args.ctx, args.tokens, args.reps)
+                    r = bench_model(model, cfg, weights, ks, b, args.ctx, args.tokens, args.reps, args.profile)
                 except Exception as e:  # one failing kernel set must not lose the rest of the run
                     r = dict(model=model, kernels=ks.describe(), batch=b, error=f"{type(e).__name__}: {e}"[:300])
                 if "tok_s" in r:
                     r["bw_fraction"] = r["step_bytes"] / (r["ms_per_step"] / 1e3) / bw
                 results["rows"].append(r)
-                print(json.dumps(r), flush=True)
+                print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
+                if "profile" in r:
+                    try:
+                        print_profile(r["profile"])
+                    except Exception as e:  # noqa: BLE001
+                        print(f"  profile print failed: {type(e).__name__}: {e}")
+                    sys.stdout.flush()
                 with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
                     json.dump(results, f, indent=1)
         del weights
@@ -147,9 +254,9 @@ def main():
     print(f"{'model':14} {'kernels':40} {'B':>3} {'ms/step':>8} {'tok/s':>9} {'MB/step':>8} {'%bw':>5} {'launch':>6}")
     for r in results["rows"]:
         if "error" in r:
-            print(f"{r['model']:14} {r['kernels'][:40]:40} {r['batch']:>3} ERROR {r['error'][:60]}")
+            print(f"{r['model']:14} {short(r['kernels'])[:40]:40} {r['batch']:>3} ERROR {r['error'][:60]}")
             continue
-        print(f"{r['model']:14} {r['kernels'][:40]:40} {r['batch']:>3} {r['ms_per_step']:8.3f} {r['tok_s']:9.0f} "
+        print(f"{r['model']:14} {short(r['kernels'])[:40]:40} {r['batch']:>3} {r['ms_per_step']:8.3f} {r['tok_s']:9.0f} "
               f"{r['step_bytes'] / 1e6:8.1f} {100 * r['bw_fraction']:5.1f} {r['kernels_per_step']:>6}")
 
 

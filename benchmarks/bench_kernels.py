@@ -47,10 +47,12 @@ from lucebox_jax.quant import QuantArray  # noqa: E402
 from pallas_kernels import attention_decode as dec_mod  # noqa: E402
 from pallas_kernels import attention_prefill as pre_mod  # noqa: E402
 from pallas_kernels import int4_matmul as mm_mod  # noqa: E402
+from pallas_kernels import int8_matmul as mm8_mod  # noqa: E402
 
 OUT = os.environ.get("OUT") or "/tmp/bench_kernels_out"
 os.makedirs(OUT, exist_ok=True)
-RESULTS: dict = {"device": None, "copy": None, "qmatmul": [], "decode": [], "prefill": [], "sweep": [], "errors": []}
+RESULTS: dict = {"device": None, "copy": None, "qmatmul": [], "q8": [], "decode": [], "prefill": [], "sweep": [],
+                 "errors": []}
 T_START = time.time()
 
 
@@ -253,6 +255,50 @@ def bench_qmatmul(shapes, quants, ms, cfg_override=None, tag="pallas", with_xla=
                 rows.append(row)
                 del sets
     return rows
+
+
+# ------------------------------------------------------------------------------------------------ int8 (LM head)
+Q8_CASES = [(4096, 128256, 1), (4096, 128256, 8), (576, 49152, 1), (576, 49152, 32)]  # Llama-3-8B, SmolLM2 heads
+Q8_VARIANTS = [("default", {}), ("n256_w8", dict(block_n=256, num_warps=8)), ("k32", dict(block_k=32)),
+               ("k128_n64", dict(block_k=128, block_n=64)), ("n64_p528", dict(block_n=64, min_programs=528)),
+               ("k128_s3", dict(block_k=128, num_stages=3))]
+
+
+def bench_q8(bw):
+    """int8 [K, N] g32 matmul (the Q8_0 LM head) at decode M: each Pallas variant against XLA's dequantize + dot."""
+    from lucebox_jax.quant import Int8Array
+
+    for k, n, m in (Q8_CASES if not ARGS.small else [(256, 1000, 1), (576, 300, 3)]):
+        if time.time() - T_START > ARGS.budget:
+            log("budget reached, skipping the rest of q8")
+            return
+        g = 32
+        nb = k * n + (k // g) * n * 2 + m * (k + n) * 2
+        sets = []
+        key = jax.random.PRNGKey(k + n + m)
+        for _ in range(n_sets(nb)):
+            key, k1, k2, k3 = jax.random.split(key, 4)
+            codes = jax.random.randint(k1, (k, n), -127, 128, dtype=jnp.int32).astype(jnp.int8)
+            scales = (jax.random.uniform(k2, (k // g, n), jnp.float32, 0.5, 1.5) * 0.01).astype(jnp.float16)
+            sets.append((jax.random.normal(k3, (m, k), jnp.float32).astype(jnp.bfloat16),
+                         Int8Array(codes=codes, scales=scales, group_size=g)))
+        x0, w0 = sets[0]
+        ref = mm8_mod.int8_matmul_reference(x0.astype(jnp.float32), w0.codes, w0.scales, group_size=g)
+        row = {"K": k, "N": n, "M": m, "bytes": nb, "sets": len(sets)}
+        impls = [(f"pallas_{v}", (lambda kw: lambda x, w: mm8_mod.qmatmul8_pallas(x, w, **kw))(kw))
+                 for v, kw in Q8_VARIANTS] + [("xla", kernels_xla.qmatmul8_xla)]
+        for name, fn in impls:
+            try:
+                row[f"{name}_err"] = rel_err(jax.jit(fn)(x0, w0), ref)
+                t = time_sets(fn, sets)
+                row[f"{name}_us"] = t * 1e6
+                row[f"{name}_frac_bw"] = nb / t / 1e9 / bw
+            except Exception as e:  # noqa: BLE001
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        log(json.dumps({kk: (round(v, 4) if isinstance(v, float) else v) for kk, v in row.items()}))
+        RESULTS["q8"].append(row)
+        save()
+        del sets
 
 
 # ------------------------------------------------------------------------------------------------ attention
@@ -697,6 +743,11 @@ def table(bw):
                 f" {fmt(r.get('pallas_TFLOPs')):>6} | {fmt(r.get('pallas_k128_w8_us')):>9} |"
                 f" {fmt(r.get('xla_us')):>7} {fmt(r.get('xla_TFLOPs')):>6}"
             )
+    for r in RESULTS.get("q8", []):
+        us = {kk[:-3]: v for kk, v in r.items() if kk.endswith("_us")}
+        best = min(us, key=us.get) if us else None
+        lines.append(f"int8 {r['K']}x{r['N']} M={r['M']}: " + " ".join(f"{kk}={fmt(v)}" for kk, v in us.items())
+                     + (f" | best {best} {fmt(100 * r[best + '_frac_bw'], 0)}%bw" if best else ""))
     if RESULTS.get("qsweep2_table"):
         lines.append(RESULTS["qsweep2_table"])
     if RESULTS["sweep"]:
@@ -735,6 +786,8 @@ def main():
     secs = ARGS.sections.split(",")
     bw = bench_copy() if ("copy" in secs or ARGS.sweep) and not ARGS.small else 4290.0
     save()
+    if "q8" in secs:
+        bench_q8(bw)
     if "qsweep2" in secs:
         try:
             qsweep2(bw, small=ARGS.small)

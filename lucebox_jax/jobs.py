@@ -383,8 +383,7 @@ def run_job(cfg: JobConfig, llm=None, loader=None, log=None) -> tuple[int, JobSu
 def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: float, log):
     import jax
 
-    from .llm import _Request
-    from .llm import _find_stop
+    from .llm import Request, find_stop
     from .scheduler import Scheduler, SlotRequest
 
     eng, tok = llm.engine, llm.tokenizer
@@ -398,7 +397,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
         if not stops:
             return False
         text = tok.decode([t for t in ids if t not in r.stop_ids], skip_special=True)
-        return _find_stop(text, stops) is not None
+        return find_stop(text, stops) is not None
 
     sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps,
                       max_prefill_batch=min(8, slots), stop_check=stop_check)
@@ -454,7 +453,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
             if p.seed is None:
                 p = dataclasses.replace(p, seed=zlib.crc32(f"{cfg.seed}:{it.key}".encode()) & 0x7FFFFFFF)
             in_flight.add(it.seq)
-            yield SlotRequest(key=(it, len(ids)), ids=ids, params=p, stop_ids=frozenset(llm._stop_ids(p)),
+            yield SlotRequest(key=(it, len(ids)), ids=ids, params=p, stop_ids=frozenset(llm.stop_ids_for(p)),
                               max_new=min(p.max_tokens, ctx - len(ids)))
         writer.commit()
 
@@ -464,7 +463,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
             for finished in sched.run(requests()):
                 for f in finished:
                     it, n_prompt = f.request.key
-                    comp = llm._finish(_Request(it.prompt, f.request.ids, f.request.params, f.request.params.seed),
+                    comp = llm.finish(Request(it.prompt, f.request.ids, f.request.params, f.request.params.seed),
                                        f.token_ids, f.request.max_new)
                     rec = {"id": it.id, "text": comp.text, "finish_reason": comp.finish_reason,
                            "usage": {"prompt_tokens": n_prompt, "completion_tokens": len(comp.token_ids),

@@ -17,7 +17,7 @@ from . import kernels_xla, ops
 log = logging.getLogger(__name__)
 
 # which ops make `pallas` the GPU default (from the H200 measurement)
-_GPU_DEFAULT = {"qmatmul": True, "attention_decode": True, "attention_prefill": True}
+_GPU_DEFAULT = {"qmatmul": True, "qmatmul8": True, "attention_decode": True, "attention_prefill": True}
 # qmatmul rows above this go to XLA's dequantize + dot on the GPU (H200: Pallas 1.1-2.3x faster at M <= 64,
 # XLA 1.6-2x faster at M = 512)
 _PALLAS_MAX_M = 64
@@ -26,6 +26,7 @@ try:
     from pallas_kernels.attention_decode import attention_decode_pallas
     from pallas_kernels.attention_prefill import attention_prefill_pallas
     from pallas_kernels.int4_matmul import qmatmul_pallas
+    from pallas_kernels.int8_matmul import qmatmul8_pallas
 except Exception as e:  # noqa: BLE001 - any import failure must not break the package
     log.warning("Pallas kernels unavailable (%s: %s); only the xla kernels are registered", type(e).__name__, e)
 else:
@@ -47,6 +48,13 @@ else:
         if x.shape[0] > _PALLAS_MAX_M and not _interpret():
             return kernels_xla.qmatmul_xla(x, w)
         return qmatmul_pallas(x, w, interpret=_interpret())
+
+    @ops.register("qmatmul8", "pallas", default_on=_on("qmatmul8"))
+    def qmatmul8_pallas_op(x, w):
+        k = x.shape[-1]
+        if w.group_size < 16 or k % w.group_size or (x.shape[0] > _PALLAS_MAX_M and not _interpret()):
+            return kernels_xla.qmatmul8_xla(x, w)
+        return qmatmul8_pallas(x, w, interpret=_interpret())
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
     def attention_decode_pallas_op(q, k, v, lengths, *, scale):

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from . import ops
-from .quant import QuantArray, dequantize
+from .quant import Int8Array, QuantArray, dequantize
 
 _NEG = -1e30
 
@@ -15,6 +15,13 @@ _NEG = -1e30
 @ops.register("qmatmul", "xla", default_on=("cpu",))
 def qmatmul_xla(x: jax.Array, w: QuantArray) -> jax.Array:
     """Dequantize then one dot (XLA fuses the dequant into the dot's operand)."""
+    wd = dequantize(w, x.dtype)
+    return jnp.dot(x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+@ops.register("qmatmul8", "xla", default_on=("cpu",))
+def qmatmul8_xla(x: jax.Array, w: Int8Array) -> jax.Array:
+    """int8 weights: dequantize then one dot."""
     wd = dequantize(w, x.dtype)
     return jnp.dot(x, wd, preferred_element_type=jnp.float32).astype(x.dtype)
 

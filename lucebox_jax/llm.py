@@ -55,7 +55,9 @@ class RequestOutput:
 
 
 @dataclasses.dataclass
-class _Request:
+class Request:
+    """A tokenized request: what `finish` needs to turn generated ids into a `CompletionOutput` (jobs.py too)."""
+
     prompt: str | None
     ids: list[int]
     params: SamplingParams
@@ -105,13 +107,14 @@ class LLM:
         return self.tokenizer
 
     # ------------------------------------------------------------------ requests
-    def _stop_ids(self, p: SamplingParams) -> set[int]:
+    def stop_ids_for(self, p: SamplingParams) -> set[int]:
+        """Token ids that end a completion under `p` (its stop_token_ids, plus end-of-turn unless ignore_eos)."""
         ids = set(p.stop_token_ids or [])
         if not p.ignore_eos:
             ids |= set(self.tokenizer.eot_ids)
         return ids
 
-    def _request(self, prompt, params: SamplingParams) -> _Request:
+    def _request(self, prompt, params: SamplingParams) -> Request:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise EmptyPromptError("a prompt dict needs 'prompt_token_ids'")
@@ -130,9 +133,9 @@ class LLM:
             raise PromptTooLongError(f"prompt has {len(ids)} tokens but the context limit is {limit} tokens "
                                      "(prompt plus at least one generated token)")
         seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2**31 - 1))
-        return _Request(text, ids, params, seed)
+        return Request(text, ids, params, seed)
 
-    def _requests(self, prompts, sampling_params) -> list[_Request]:
+    def _requests(self, prompts, sampling_params) -> list[Request]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -169,14 +172,15 @@ class LLM:
             bar.close()
         return outs
 
-    def _generate_continuous(self, reqs: list[_Request], use_tqdm: bool) -> list[RequestOutput]:
+    def _generate_continuous(self, reqs: list[Request], use_tqdm: bool) -> list[RequestOutput]:
         """More prompts than `max_batch`: continuous batching over `max_batch` slots (scheduler.py), so a finished
         request's slot is refilled at once instead of waiting for the longest request of a static batch."""
         from .scheduler import Scheduler, SlotRequest
 
         cfg = self.config
         budgets = [min(r.params.max_tokens, cfg.max_context - len(r.ids)) for r in reqs]
-        sreqs = [SlotRequest(i, r.ids, dataclasses.replace(r.params, seed=r.seed), frozenset(self._stop_ids(r.params)),
+        sreqs = [SlotRequest(i, r.ids, dataclasses.replace(r.params, seed=r.seed),
+                             frozenset(self.stop_ids_for(r.params)),
                              m) for i, (r, m) in enumerate(zip(reqs, budgets))]
         max_len = self.engine.cache_len_for(max(len(r.ids) + m for r, m in zip(reqs, budgets)))
         sched = Scheduler(self.engine, slots=self.max_batch, max_len=max_len)
@@ -190,7 +194,7 @@ class LLM:
             for f in batch:
                 i = f.request.key
                 outs[i] = RequestOutput(str(i), reqs[i].prompt, reqs[i].ids, None,
-                                        [self._finish(reqs[i], f.token_ids, budgets[i])])
+                                        [self.finish(reqs[i], f.token_ids, budgets[i])])
             if bar:
                 bar.update(len(batch))
         if bar:
@@ -203,7 +207,7 @@ class LLM:
         prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _generate_batch(self, reqs: list[_Request]) -> list[RequestOutput]:
+    def _generate_batch(self, reqs: list[Request]) -> list[RequestOutput]:
         eng, cfg = self.engine, self.config
         b = len(reqs)
         t0 = time.perf_counter()
@@ -218,7 +222,7 @@ class LLM:
         lens = np.array([len(r.ids) for r in reqs], np.int32)
         seen = eng.new_seen([r.ids for r in reqs])
         first, seen = eng.first_token(last, rp, lens, seen, n_lp)
-        stop_ids = set().union(*[self._stop_ids(r.params) for r in reqs])
+        stop_ids = set().union(*[self.stop_ids_for(r.params) for r in reqs])
         if self.spec is not None:
             bufs, count, cache = self.spec.loop(cache, [r.ids for r in reqs], first, rp, seen, stop_ids, row_max, n_lp)
         else:
@@ -228,7 +232,7 @@ class LLM:
         outs = []
         for r_i, r in enumerate(reqs):
             ids = [int(t) for t in toks[r_i, : count[r_i]]]
-            comp = self._finish(r, ids, row_max[r_i])
+            comp = self.finish(r, ids, row_max[r_i])
             if r.params.logprobs is not None:
                 comp.logprobs = self._logprob_dicts(
                     np.asarray(bufs.top_ids[r_i]), np.asarray(bufs.top_vals[r_i]), np.asarray(bufs.logprob[r_i]),
@@ -243,9 +247,9 @@ class LLM:
             self.last_stats["speculative"] = self.spec.last_stats
         return outs
 
-    def _finish(self, r: _Request, ids: list[int], row_max: int) -> CompletionOutput:
+    def finish(self, r: Request, ids: list[int], row_max: int) -> CompletionOutput:
         """Token ids -> text with end-of-turn tokens and stop strings applied (vLLM conventions)."""
-        stop_ids = self._stop_ids(r.params)
+        stop_ids = self.stop_ids_for(r.params)
         finish, reason = "length", None
         for j, t in enumerate(ids):
             if t in stop_ids:
@@ -253,13 +257,13 @@ class LLM:
                 break
         text_ids = [t for t in ids if t not in stop_ids]
         text = self.tokenizer.decode(text_ids, skip_special=True)
-        cut = _find_stop(text, r.params.stop)
+        cut = find_stop(text, r.params.stop)
         if cut is not None:
             pos, s = cut
             text, finish, reason = text[:pos], "stop", s
             # keep the fewest tokens whose text contains the stop string
             for j in range(1, len(text_ids) + 1):
-                if _find_stop(self.tokenizer.decode(text_ids[:j], skip_special=True), [s]) is not None:
+                if find_stop(self.tokenizer.decode(text_ids[:j], skip_special=True), [s]) is not None:
                     ids = text_ids[:j]
                     break
         return CompletionOutput(0, text, ids, None, finish, reason)
@@ -300,7 +304,7 @@ class LLM:
         r = self._request(prompt, params)
         eng, cfg = self.engine, self.config
         max_new = min(params.max_tokens, cfg.max_context - len(r.ids))
-        stop_ids = self._stop_ids(params)
+        stop_ids = self.stop_ids_for(params)
         c0 = eng.compile_seconds
         t0 = time.perf_counter()
         cache = eng.new_cache(1, self.spec.cache_len(len(r.ids) + max_new) if self.spec else
@@ -324,7 +328,7 @@ class LLM:
                     finish = "stop"
                     break
                 text += dec.push(tok)
-                cut = _find_stop(text, params.stop)
+                cut = find_stop(text, params.stop)
                 if cut is not None:
                     text, finish = text[: cut[0]], "stop"
                     break
@@ -366,7 +370,8 @@ class LLM:
             self.last_stats["speculative"] = self.spec.last_stats
 
 
-def _find_stop(text: str, stops) -> tuple[int, str] | None:
+def find_stop(text: str, stops) -> tuple[int, str] | None:
+    """(position, stop string) of the earliest stop string in `text`, or None."""
     best = None
     for s in stops or []:
         i = text.find(s)

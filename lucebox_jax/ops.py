@@ -1,5 +1,5 @@
-"""Kernel registry: every op the model needs (`qmatmul`, `attention_prefill`, `attention_decode`) is looked up by
-name, so research code swaps kernels without touching the model (the vLLM attention-backend pattern).
+"""Kernel registry: every op the model needs (`qmatmul`, `qmatmul8`, `attention_prefill`, `attention_decode`) is
+looked up by name, so research code swaps kernels without touching the model (the vLLM attention-backend pattern).
 
     from lucebox_jax import ops
 
@@ -22,10 +22,11 @@ import jax
 
 from .errors import UnknownKernelError
 
-OPS = ("qmatmul", "attention_prefill", "attention_decode")
+OPS = ("qmatmul", "qmatmul8", "attention_prefill", "attention_decode")
 
 OP_SIGNATURES = {
     "qmatmul": "fn(x [M, K], w: QuantArray [K, N]) -> [M, N] (x.dtype)",
+    "qmatmul8": "fn(x [M, K], w: Int8Array [K, N]) -> [M, N] (x.dtype); int8 weights, e.g. a Q8_0 LM head",
     "attention_prefill": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], start [B] int32, *, scale) -> [B, T, Hq, D]; "
         "query t of row b sits at absolute position start[b] + t and sees cache positions <= that"
@@ -104,6 +105,7 @@ class KernelSet:
     """Which implementation each op uses; hashable, so it is a static argument of the jitted steps."""
 
     qmatmul: str = "xla"
+    qmatmul8: str = "xla"
     attention_prefill: str = "xla"
     attention_decode: str = "xla"
 

@@ -145,8 +145,8 @@ def quantize_int8(w: np.ndarray, group_size: int = 32) -> Int8Array:
 def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     """The one matmul dispatch point: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
 
-    int4 weights go through the registered `qmatmul` kernel chosen by `kernels` (a `KernelSet`); int8 and dense
-    weights through XLA.
+    int4 weights go through the registered `qmatmul` kernel chosen by `kernels` (a `KernelSet`), int8 weights through
+    `qmatmul8`, dense weights through XLA.
     """
     from . import ops
 
@@ -156,7 +156,7 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
         fn = ops.get("qmatmul", kernels.qmatmul if kernels is not None else None)
         y = fn(x2, w)
     elif isinstance(w, Int8Array):
-        y = jnp.dot(x2, dequantize(w, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+        y = ops.get("qmatmul8", kernels.qmatmul8 if kernels is not None else None)(x2, w)
     else:
         y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     y = y.reshape(*lead, y.shape[-1])

@@ -235,6 +235,10 @@ _TUNABLE = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages
             "scales_mode", "reduce")
 
 
+SMALL_WEIGHT_BYTES = 8 << 20  # int4 codes below this take the latency-bound heuristics (no tuned entry)
+SPLIT_ALL = 1 << 12  # split_k is clamped to the number of K tiles: one tile per program
+
+
 def m_bucket(m: int) -> int | None:
     return 1 if m == 1 else 16 if m <= 16 else 64 if m <= 64 else None
 
@@ -279,7 +283,8 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
     M <= 16, g >= 128: asm decode, tensor-core dot, block_k = 128 (one whole group per step), block_n = 64
       (46.0 us vs 64.7-71.2 for every other variant on gate_up 4096x28672 g128 at M = 1);
     M <= 16 otherwise: asm decode + dot, block_k = 32, block_n = 128;  M > 16: 64-row GEMM tiles (the registry
-    sends M > 64 to XLA, which is faster there)."""
+    sends M > 64 to XLA, which is faster there).  M <= 16 with codes under SMALL_WEIGHT_BYTES: one K tile per
+    program (split_k = number of tiles), block_n 64 when M > 1."""
     asm_ok = on_gpu and jnp.dtype(dtype) == jnp.bfloat16
     cfg = dict(block_n=128, block_k=min(32, group_size), split_k=None, num_warps=4, num_stages=4, mode="dot",
                decode="asm" if asm_ok else "f32")
@@ -295,6 +300,13 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
         cfg.update(block_n=64, block_k=128)
     elif m == 1:
         cfg.update(mode="fma", decode="f32")
+    if on_gpu and m <= 16 and k * n // 2 < SMALL_WEIGHT_BYTES:
+        # small weights (SmolLM2-135M: all of them) are latency-bound: one K tile per program, so each program
+        # makes one memory round trip instead of a loop of them (H200: 808 -> 892 tok/s at batch 1, 6,446 ->
+        # 7,320 at batch 8 with block_n 64; benchmarks/RESULTS.md, "small weights")
+        cfg.update(split_k=SPLIT_ALL)
+        if m > 1:
+            cfg.update(block_n=64)
     return cfg
 
 

@@ -15,7 +15,7 @@ from lucebox_jax.synthetic import PRESETS, random_weights
 
 def test_defaults_and_parse():
     ks = KernelSet.resolve("qmatmul=xla", backend="cpu")
-    assert ks == KernelSet("xla", "xla", "xla")
+    assert ks == KernelSet("xla", "xla", "xla", "xla")
     assert ops.parse_spec(" qmatmul=a , attention_decode=b") == {"qmatmul": "a", "attention_decode": "b"}
     assert "xla" in ops.available("attention_prefill")
 

@@ -17,10 +17,11 @@ import jax
 import jax.numpy as jnp
 
 from lucebox_jax import kernels_xla, ops
-from lucebox_jax.quant import QuantArray
+from lucebox_jax.quant import Int8Array, QuantArray
 from pallas_kernels.attention_decode import attention_decode, attention_decode_reference
 from pallas_kernels.attention_prefill import attention_prefill, attention_prefill_reference
 from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
+from pallas_kernels.int8_matmul import int8_matmul, int8_matmul_reference
 
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
 ON_GPU = jax.default_backend() == "gpu"
@@ -49,6 +50,7 @@ def test_registered():
     assert "pallas" in ops.available("attention_prefill")
     assert ops.default_name("qmatmul", "cpu") == "xla"
     assert ops.default_name("attention_decode", "cpu") == "xla"
+    assert "pallas" in ops.available("qmatmul8") and ops.default_name("qmatmul8", "cpu") == "xla"
 
 
 # ------------------------------------------------------------------------------------------------ int4 matmul
@@ -206,6 +208,45 @@ def test_attention_prefill_registered():
     assert rel(y, kernels_xla.attention_prefill_xla(q, k, v, start, scale=0.125)) < TOL[jnp.float32]
 
 
+# ------------------------------------------------------------------------------------------------ int8 matmul
+def rand_int8(rng, k, n, g):
+    codes = rng.integers(-127, 128, (k, n), dtype=np.int8)
+    scales = (rng.uniform(0.5, 1.5, (k // g, n)) * 0.01).astype(np.float16)
+    return Int8Array(codes=jnp.asarray(codes), scales=jnp.asarray(scales), group_size=g)
+
+
+Q8CASES = [  # M, K, N, group, dtype, knobs: N not a multiple of block_n, K a non-power of two (SmolLM2: 576)
+    (1, 576, 300, 32, jnp.float32, {}),
+    (3, 256, 96, 32, jnp.bfloat16, dict(block_k=128, block_n=64)),
+    (17, 128, 130, 32, jnp.float32, dict(split_k=2)),
+    (2, 512, 64, 128, jnp.bfloat16, dict(block_k=128, num_warps=8)),
+]
+
+
+@pytest.mark.parametrize("m,k,n,g,dt,kw", Q8CASES)
+def test_int8_matmul(m, k, n, g, dt, kw):
+    rng = np.random.default_rng(hash((m, k, n, g)) % 2**32)
+    w = rand_int8(rng, k, n, g)
+    x = jnp.asarray(rng.standard_normal((m, k)), dt)
+    y = int8_matmul(x, w.codes, w.scales, group_size=g, interpret=True, **kw)
+    assert y.shape == (m, n) and y.dtype == dt
+    assert rel(y, int8_matmul_reference(x, w.codes, w.scales, group_size=g)) < TOL[dt]
+    assert rel(y, kernels_xla.qmatmul8_xla(x, w)) < TOL[dt]
+
+
+def test_int8_matmul_registered_and_linear():
+    from lucebox_jax.ops import KernelSet
+    from lucebox_jax.quant import linear
+
+    rng = np.random.default_rng(7)
+    w = rand_int8(rng, 192, 70, 32)
+    x = jnp.asarray(rng.standard_normal((2, 3, 192)), jnp.float32)  # linear() flattens leading dims
+    ref = int8_matmul_reference(x.reshape(6, 192), w.codes, w.scales, group_size=32).reshape(2, 3, 70)
+    y = linear(x, w, kernels=KernelSet.resolve("qmatmul8=pallas", backend="cpu"))
+    assert rel(y, ref) < TOL[jnp.float32]
+    assert rel(linear(x, w, kernels=KernelSet.resolve(None, backend="cpu")), ref) < TOL[jnp.float32]
+
+
 # ------------------------------------------------------------------------------------------------ GPU (compiled)
 @pytest.mark.gpu
 @gpu
@@ -226,6 +267,19 @@ def test_gpu_qmatmul(m, g, sym):
                dict(mode="fma_r", block_k=64, block_n=128, num_warps=8), dict(mode="fma", block_k=128, block_n=64)):
         y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode="asm", **kw)
         assert rel(y, ref) < TOL[jnp.bfloat16], kw
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_gpu_int8_matmul(m):
+    rng = np.random.default_rng(m)
+    w = rand_int8(rng, 576, 1000, 32)
+    x = jnp.asarray(rng.standard_normal((m, 576)), jnp.bfloat16)
+    ref = int8_matmul_reference(x, w.codes, w.scales, group_size=32)
+    assert rel(ops.get("qmatmul8", "pallas")(x, w), ref) < TOL[jnp.bfloat16]
+    for kw in (dict(block_k=32, block_n=256, num_warps=8), dict(block_k=128, block_n=64, split_k=3)):
+        assert rel(int8_matmul(x, w.codes, w.scales, group_size=32, **kw), ref) < TOL[jnp.bfloat16], kw
 
 
 @pytest.mark.gpu

@@ -24,7 +24,7 @@ def _single(llm, ids, params):
 
 
 def _req(key, ids, params, llm, max_new=None):
-    return SlotRequest(key, ids, params, frozenset(llm._stop_ids(params)), max_new or params.max_tokens)
+    return SlotRequest(key, ids, params, frozenset(llm.stop_ids_for(params)), max_new or params.max_tokens)
 
 
 @pytest.fixture(scope="module")
