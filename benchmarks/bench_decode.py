@@ -37,6 +37,8 @@ from lucebox_jax.quant import weight_nbytes  # noqa: E402
 from lucebox_jax.sampling import RowParams, SamplingParams  # noqa: E402
 from lucebox_jax.synthetic import PRESETS, random_weights  # noqa: E402
 
+from gpu_trace import trace_gpu_events  # noqa: E402  (benchmarks/, on sys.path as the script's folder)
+
 
 def copy_bandwidth(nbytes: int) -> float:
     x = jnp.ones((nbytes // 4,), jnp.float32)
@@ -56,25 +58,6 @@ def count_kernels(compiled_text: str) -> int:
     ops_ = re.findall(r"=\s*[\w\[\]{},: ]*?\b(fusion|custom-call|copy|convolution|dot|all-reduce|scatter|gather|"
                       r"dynamic-update-slice|reduce|sort|while|conditional)\(", entry)
     return len(ops_)
-
-
-def trace_gpu_events(run):
-    """Run `run()` under the JAX profiler; [(name, start_ns, duration_ns)] of the GPU stream events, or None."""
-    import tempfile
-
-    from jax._src import profiler as jprof
-
-    jax.profiler.start_trace(tempfile.mkdtemp())
-    try:
-        run()
-    finally:
-        with jprof._profile_state.lock:
-            xs = jprof._profile_state.profile_session.stop()
-            jprof._profile_state.reset()
-    pd = jax.profiler.ProfileData.from_serialized_xspace(xs)
-    evs = [(ev.name, ev.start_ns, ev.duration_ns) for plane in pd.planes if plane.name.startswith("/device:GPU")
-           for line in plane.lines if line.name.startswith("Stream") for ev in line.events]
-    return evs or None
 
 
 CATEGORIES = [(r"int(\d)_matmul", r"pallas int\1 GEMV"), (r"attention|decode", "pallas attention"),

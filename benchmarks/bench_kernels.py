@@ -49,6 +49,8 @@ from pallas_kernels import attention_prefill as pre_mod  # noqa: E402
 from pallas_kernels import int4_matmul as mm_mod  # noqa: E402
 from pallas_kernels import int8_matmul as mm8_mod  # noqa: E402
 
+from gpu_trace import busy_and_span_ns, trace_gpu_events  # noqa: E402  (benchmarks/, the script's folder)
+
 OUT = os.environ.get("OUT") or "/tmp/bench_kernels_out"
 os.makedirs(OUT, exist_ok=True)
 RESULTS: dict = {"device": None, "copy": None, "qmatmul": [], "q8": [], "decode": [], "prefill": [], "sweep": [],
@@ -73,32 +75,7 @@ def rel_err(a, b):
 
 def _device_kernel_ns(run):
     """Run `run()` under the JAX profiler; (sum of GPU kernel durations, GPU span) in ns, or (None, None)."""
-    from jax._src import profiler as jprof
-
-    import tempfile
-
-    jax.profiler.start_trace(tempfile.mkdtemp())
-    try:
-        run()
-    finally:
-        with jprof._profile_state.lock:
-            xs = jprof._profile_state.profile_session.stop()
-            jprof._profile_state.reset()
-    pd = jax.profiler.ProfileData.from_serialized_xspace(xs)
-    tot, lo, hi = 0, None, None
-    for plane in pd.planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for line in plane.lines:
-            if not line.name.startswith("Stream"):
-                continue
-            for ev in line.events:
-                tot += ev.duration_ns
-                lo = ev.start_ns if lo is None else min(lo, ev.start_ns)
-                hi = ev.end_ns if hi is None else max(hi, ev.end_ns)
-    if not tot:
-        return None, None
-    return tot, hi - lo
+    return busy_and_span_ns(trace_gpu_events(run))
 
 
 TIMING = {}

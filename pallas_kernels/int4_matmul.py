@@ -44,7 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "tuned_config", "qmatmul_pallas"]
+__all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "tuned_config", "qmatmul_pallas",
+           "split_plan"]
 
 
 def _pow2_floor(v: int) -> int:
@@ -53,6 +54,19 @@ def _pow2_floor(v: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def split_plan(n_tiles: int, programs: int, split_k: int | None, min_programs: int) -> tuple[int, int]:
+    """(split_k, tiles per split) for K cut into `n_tiles` tiles and `programs` programs per split.  split_k None:
+    double it until there are `min_programs` programs (each split keeping >= 2 tiles); an explicit split_k is
+    clamped to the tile count; then rounded so no split is empty."""
+    if split_k is None:
+        split_k = 1
+        while programs * split_k < min_programs and split_k * 2 <= n_tiles // 2:
+            split_k *= 2
+    split_k = max(1, min(split_k, n_tiles))
+    tiles = _cdiv(n_tiles, split_k)
+    return _cdiv(n_tiles, tiles), tiles
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -355,13 +369,7 @@ def int4_matmul(
     n_blocks = _cdiv(n, bn)
     m_blocks = mp // bm
     n_tiles = k_half // block_k
-    if split_k is None:
-        split_k = 1
-        while n_blocks * m_blocks * split_k < min_programs and split_k * 2 <= n_tiles // 2:
-            split_k *= 2
-    split_k = max(1, min(split_k, n_tiles))
-    tiles_per_split = _cdiv(n_tiles, split_k)
-    split_k = _cdiv(n_tiles, tiles_per_split)
+    split_k, tiles_per_split = split_plan(n_tiles, n_blocks * m_blocks, split_k, min_programs)
     out_partial = split_k > 1
     atomic = out_partial and reduce == "atomic"
     kern = functools.partial(

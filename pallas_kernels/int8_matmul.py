@@ -22,6 +22,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .int4_matmul import split_plan  # the same split-K sizing rule
+
 __all__ = ["int8_matmul", "int8_matmul_reference", "default_config", "qmatmul8_pallas"]
 
 
@@ -90,13 +92,7 @@ def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None
     bn = block_n
     n_blocks, m_blocks = _cdiv(n, bn), mp // bm
     n_tiles = k // block_k
-    if split_k is None:
-        split_k = 1
-        while n_blocks * m_blocks * split_k < min_programs and split_k * 2 <= n_tiles // 2:
-            split_k *= 2
-    split_k = max(1, min(split_k, n_tiles))
-    tiles_per_split = _cdiv(n_tiles, split_k)
-    split_k = _cdiv(n_tiles, tiles_per_split)
+    split_k, tiles_per_split = split_plan(n_tiles, n_blocks * m_blocks, split_k, min_programs)
     out_partial = split_k > 1
     out_shape = (jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32) if out_partial
                  else jax.ShapeDtypeStruct((mp, n), x.dtype))
