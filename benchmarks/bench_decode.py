@@ -239,7 +239,8 @@ def main():
         if "error" in r:
             print(f"{r['model']:14} {short(r['kernels'])[:40]:40} {r['batch']:>3} ERROR {r['error'][:60]}")
             continue
-        print(f"{r['model']:14} {short(r['kernels'])[:40]:40} {r['batch']:>3} {r['ms_per_step']:8.3f} {r['tok_s']:9.0f} "
+        print(f"{r['model']:14} {short(r['kernels'])[:40]:40} {r['batch']:>3} {r['ms_per_step']:8.3f} "
+              f"{r['tok_s']:9.0f} "
               f"{r['step_bytes'] / 1e6:8.1f} {100 * r['bw_fraction']:5.1f} {r['kernels_per_step']:>6}")
 
 
