@@ -788,7 +788,7 @@ def main():
                 return dot16
             return gemm if m > 16 else {}
 
-        order = [(1,), (16,), (4,), (64,), (512,), (2,), (8,)] if not ARGS.quick else [(1,), (16,)]
+        order = [(1,), (2,), (4,), (8,), (16,), (64,), (512,)] if not ARGS.quick else [(1,), (16,)]
         if "qmatmul" in secs:
             first = True
             for ms in order:

@@ -1,17 +1,28 @@
 #!/usr/bin/env bash
-# One GPU call that runs the whole-model decode benchmark and then the peer sections in the time left.
-# Usage on the device machine (repo root, .peers carried):  BUDGET=480 bash benchmarks/gpu_all.sh
+# One GPU call for issue 3's table, each step capped so the rest still runs: the kernel benchmark (copy bandwidth,
+# int4 qmatmul vs XLA over the 8B layer shapes and M, int8 head, attention), the whole-model decode benchmark, then
+# the peer sections in the time left.
+# Usage on the device machine (repo root, .peers carried):  BUDGET=570 bash benchmarks/gpu_all.sh
+# KERNEL_SECONDS=0 skips the kernel step; DECODE_ARGS / PEER_SECTIONS / PEER_SECONDS adjust the others.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-BUDGET=${BUDGET:-480}
+BUDGET=${BUDGET:-570}
 start=$(date +%s)
 left() { echo $(( BUDGET - ($(date +%s) - start) )); }
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
+F="warn\|donat\|deprecat"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
-timeout $(( $(left) - ${PEER_SECONDS:-200} )) python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 \
-  | grep -v -i "warn\|donat\|deprecat" | tee "$OUT/decode.log"
-if [ -f .peers/peer_bench.py ] && [ "$(left)" -gt 60 ]; then
-  python3 .peers/peer_bench.py --sections "${PEER_SECTIONS:-B,D_int4_b1,C_static_b1}" --budget $(( $(left) - 10 )) 2>&1 \
-    | tail -40 | tee "$OUT/peer.log"
+KS=${KERNEL_SECONDS:-200}
+if [ "$KS" -gt 0 ]; then
+  timeout $(( KS + 20 )) python3 benchmarks/bench_kernels.py --sections copy,qmatmul,q8,decode,prefill --budget "$KS" \
+    2>&1 | grep -v -i "$F" > "$OUT/kernels.log"
 fi
+timeout $(( $(left) - ${PEER_SECONDS:-200} )) python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 \
+  | grep -v -i "$F" > "$OUT/decode.log"
+if [ -f .peers/peer_bench.py ] && [ "$(left)" -gt 60 ]; then
+  python3 .peers/peer_bench.py --sections "${PEER_SECTIONS:-B,D_int4_b1,C_static_b1,C_static_b32}" \
+    --budget $(( $(left) - 10 )) 2>&1 | tail -40 > "$OUT/peer.log"
+fi
+echo "=== kernels"; [ -f "$OUT/table.txt" ] && cat "$OUT/table.txt"
+echo "=== peers"; grep "^[A-D] |" "$OUT/peer.log" 2>/dev/null
 echo "=== decode table"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode.log"
