@@ -299,3 +299,17 @@ def test_gpu_attention(hq, hkv, d):
     start = jnp.asarray([0, 400, 963], jnp.int32)
     y = ops.get("attention_prefill", "pallas")(qp, k, v, start, scale=d**-0.5)
     assert rel(y, attention_prefill_reference(qp, k, v, start, scale=d**-0.5)) < TOL[jnp.bfloat16]
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+def test_embedded_model_same_greedy_tokens_with_pallas(smol):
+    """Selecting every Pallas kernel on the CPU (interpret mode) gives the embedded model's greedy tokens."""
+    from lucebox_jax import LLM, SamplingParams
+
+    llm = LLM(kernels="qmatmul=pallas,qmatmul8=pallas,attention_decode=pallas,attention_prefill=pallas")
+    assert llm.kernels.qmatmul == "pallas" and llm.kernels.qmatmul8 == "pallas"
+    prompt = smol.get_tokenizer().apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = smol.generate(prompt, sp)[0].outputs[0].token_ids
+    assert len(want) == 8
+    assert llm.generate(prompt, sp)[0].outputs[0].token_ids == want
