@@ -464,6 +464,12 @@ Q2_M1 = [  # (name, knobs); block_k > g loads [block_k/g, block_n] scale tiles b
     ("fmar_k128_n128_w8_s3_at", dict(mode="fma_r", block_k=128, block_n=128, num_warps=8, num_stages=3,
                                      reduce="atomic")),
     ("f32fma_k64_n128_w4_s4", dict(mode="fma", decode="f32", block_k=64, block_n=128)),
+    # not yet timed (added after round 3): one K tile per program, which won on SmolLM2's small weights, and
+    # narrower programs (more of them resident per SM)
+    ("fma_k128_n64_splitall", dict(mode="fma", block_k=128, block_n=64, split_k=1 << 12)),
+    ("dot_k128_n64_splitall", dict(block_k=128, block_n=64, split_k=1 << 12)),
+    ("fma_k128_n32_w2_s4", dict(mode="fma", block_k=128, block_n=32, num_warps=2)),
+    ("dot_k256_n32_w4_s3", dict(block_k=256, block_n=32, num_stages=3)),
 ]
 Q2_M16 = [
     ("default", None),
