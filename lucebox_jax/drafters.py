@@ -1,7 +1,7 @@
 """Drafters for speculative decoding, chosen by name like kernels in ops.py:
 
     layers:N        self-speculative layer skip: the target's first N layers + final norm + head (same arrays, no
-                    copy), with its own N-layer KV cache
+                    copy), drafting straight into the target's KV cache of those layers (no cache of its own)
     ngram[:N]       prompt lookup: match the last N..1 tokens (default 3..1) against prompt + generated text and
                     propose what followed the most recent match; no model (a miss proposes the last token again)
     model:PATH      a separate draft model (GGUF or checkpoint folder) sharing the target's vocabulary; a bare PATH
@@ -11,6 +11,8 @@ A drafter is a static, hashable object (its `key` names everything that changes 
 (arrays passed into jit as data) and three functions used on device by `speculative.spec_chunk`:
 `init_state(prompts, cache_len)` (host: prefill / token history), `propose(params, state, prev, tok, start, rp, k)`
 -> (drafts [B, k], q [B, k, V] or None for a deterministic drafter, state) and `commit(state, tok, drafts, n, start)`.
+A drafter with `shares_target_cache = True` gets the target's KV cache as `state` and returns it updated; the verify
+then runs on that cache.
 Register more with `@register("name")` on a factory `fn(arg, engine, tokenizer) -> Drafter`.
 """
 
@@ -60,6 +62,7 @@ class Drafter:
     key: tuple = ()
     params = None
     cost_ratio: float = 0.0  # one draft token's cost relative to one target decode step (adaptive K)
+    shares_target_cache: bool = False  # propose() gets and returns the target's KV cache as its state
 
     def __hash__(self):
         return hash(self.key)
@@ -78,7 +81,7 @@ class Drafter:
 
 
 class ModelDrafter(Drafter):
-    """A transformer draft (a separate model or the target's first layers) with its own KV cache.
+    """A separate transformer draft model with its own KV cache.
 
     Its cache mirrors the target's positions: committed tokens at p < lengths. Each proposal first feeds
     [prev, tok] at positions start - 1, start (T = 2), which also writes the token the draft never saw after a full
@@ -177,6 +180,51 @@ class NgramDrafter(Drafter):
 
 
 # ---------------------------------------------------------------------------------------------------- registry
+class LayerSkipDrafter(ModelDrafter):
+    """The target's first N layers as the draft, writing into the target's own KV cache of those layers.
+
+    The target's cache already holds, for every committed position, exactly the K/V these N layers would compute (same
+    weights, same inputs), so the draft needs no prefill and no cache of its own. Its writes (the new token at
+    `start`, drafts at start + 1 .. start + K - 1) lie inside the window the verify rewrites for every layer right
+    after (start .. start + K), so the target never reads a draft's K/V."""
+
+    shares_target_cache = True
+
+    def __init__(self, n: int, engine: Engine):
+        cfg, w = engine.cfg, engine.weights
+        self.n = n
+        self.cfg = cfg.replace(n_layers=n)
+        self._params = w.replace(layers=tuple(w.layers[:n]))  # the same arrays: no copy
+        self.kernels = engine.kernels
+        self.name = f"layers:{n}"
+        self.key = ("layers", self.cfg, self.kernels)
+        self.cost_ratio = _compute_bytes(self._params) / _compute_bytes(w)
+
+    @property
+    def params(self):
+        return self._params
+
+    def init_state(self, prompts, cache_len):
+        return None
+
+    def propose(self, params, cache: KVCache, prev, tok, start, rp, k):
+        from .speculative import draw
+
+        cfg, ks, n = self.cfg, self.kernels, self.n
+        b = tok.shape[0]
+        sub = KVCache(k=cache.k[:n], v=cache.v[:n], lengths=cache.lengths)
+
+        def step(carry, j):
+            sub, d = carry
+            lg, sub = forward(cfg, ks, params, sub, d[:, None], start + j, last_only=jnp.zeros((b,), jnp.int32))
+            d2, q2 = draw(lg, rp, start + j + 1)
+            return (sub, d2), (d2, q2)
+
+        (sub, _), (ds, qs) = jax.lax.scan(step, (sub, tok), jnp.arange(0, k, dtype=jnp.int32))
+        cache = KVCache(k=sub.k + cache.k[n:], v=sub.v + cache.v[n:], lengths=cache.lengths)
+        return ds.T, qs.transpose(1, 0, 2), cache
+
+
 @register("layers", "layers:N")
 def _layers(arg: str, engine: Engine, tokenizer=None) -> Drafter:
     cfg = engine.cfg
@@ -186,9 +234,7 @@ def _layers(arg: str, engine: Engine, tokenizer=None) -> Drafter:
         raise DraftError(f"layers:N needs an integer N (1..{cfg.n_layers - 1}), got {arg!r}") from None
     if not 1 <= n < cfg.n_layers:
         raise DraftError(f"layers:N needs 1 <= N < {cfg.n_layers} (the target's layer count), got {n}")
-    w = engine.weights
-    draft_w = w.replace(layers=tuple(w.layers[:n]))  # the same arrays: no copy
-    return ModelDrafter(cfg.replace(n_layers=n), draft_w, engine.kernels, f"layers:{n}", cfg, w)
+    return LayerSkipDrafter(n, engine)
 
 
 @register("ngram", "ngram[:N or :MIN-MAX]")

@@ -212,8 +212,13 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         i, st = c
         start = st.cache.lengths
         active = ~st.done
-        drafts, q, dstate = drafter.propose(dparams, st.dstate, st.prev, st.tok, start, rp, k)
-        vo, cache = _verify(cfg, kernels, weights, st.cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs)
+        if drafter.shares_target_cache:  # it drafts into the target's cache; the verify rewrites that window
+            drafts, q, cache = drafter.propose(dparams, st.cache, st.prev, st.tok, start, rp, k)
+            dstate = st.dstate
+        else:
+            drafts, q, dstate = drafter.propose(dparams, st.dstate, st.prev, st.tok, start, rp, k)
+            cache = st.cache
+        vo, cache = _verify(cfg, kernels, weights, cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs)
         n = vo.n_accepted
         toks = vo.tokens
         stop = jnp.any(toks[..., None] == stop_ids[None, None, :], axis=-1) & (j <= n[:, None])

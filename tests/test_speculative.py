@@ -178,6 +178,22 @@ def test_tiny_greedy_equal_for_each_drafter(eng, k):
         assert run(eng, SpeculativeDecoder(eng, build("ngram", eng), k), ps[:1], 20) == ref[:1]
 
 
+def test_layer_skip_drafts_into_the_target_cache():
+    """layers:1 of a 2-layer model whose second layer adds nothing (wo, w_down = 0) is the target itself: if it drafts
+    into the target's cache of layer 0 correctly, every draft is accepted, with no cache of its own."""
+    w = random_weights(CFG, jax.random.key(3), group_size=32, asymmetric=True)
+    zero = lambda q: q.replace(scales=q.scales * 0, mins=q.mins * 0)  # noqa: E731
+    l1 = w.layers[1].replace(wo=zero(w.layers[1].wo), w_down=zero(w.layers[1].w_down))
+    e = Engine(CFG, w.replace(layers=(w.layers[0], l1)), KS)
+    d = build("layers:1", e)
+    assert d.shares_target_cache and d.init_state([[1, 2]], 64) is None
+    ps = tiny_prompts([10, 17, 5], seed=3)
+    spec = SpeculativeDecoder(e, d, 4)
+    assert run(e, spec, ps, 20) == run(e, None, ps, 20)
+    hist = spec.last_stats["acceptance_histogram"]
+    assert sum(hist[:-1]) == 0 and hist[-1] > 0, hist
+
+
 def test_always_wrong_draft_still_gives_target_output(eng):
     ps = tiny_prompts([10, 17, 5], seed=3)
     spec = SpeculativeDecoder(eng, AlwaysWrong(), 4)
