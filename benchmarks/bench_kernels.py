@@ -78,6 +78,21 @@ def _device_kernel_ns(run):
     return busy_and_span_ns(trace_gpu_events(run))
 
 
+def _profiled_ns(f, sets, n):
+    """n back-to-back calls f(sets) under the profiler -> (GPU busy ns, GPU span ns); (None, None) on failure."""
+    def run():
+        o = None
+        for _ in range(n):
+            o = f(sets)
+        jax.block_until_ready(o)
+
+    try:
+        return _device_kernel_ns(run)
+    except Exception as e:  # noqa: BLE001 - timing falls back to wall clock
+        RESULTS["errors"].append(f"profiler: {type(e).__name__}: {e}")
+        return None, None
+
+
 TIMING = {}
 
 
@@ -96,17 +111,7 @@ def time_sets(fn, sets, trials=7, n=3):
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t) / (n * len(sets)))
     TIMING["wall"] = statistics.median(ts)
-    try:
-        def run():
-            o = None
-            for _ in range(n):
-                o = f(sets)
-            jax.block_until_ready(o)
-
-        busy, span = _device_kernel_ns(run)
-    except Exception as e:  # noqa: BLE001
-        RESULTS["errors"].append(f"profiler: {type(e).__name__}: {e}")
-        busy = span = None
+    busy, span = _profiled_ns(f, sets, n)
     TIMING["span"] = None if span is None else span * 1e-9 / (n * len(sets))
     if busy is None:
         return TIMING["wall"]
@@ -516,17 +521,7 @@ def q2_time(f, sets, small):
     wall = statistics.median(ts)
     if small:
         return wall, wall
-    try:
-        def run():
-            o = None
-            for _ in range(n):
-                o = f(sets)
-            jax.block_until_ready(o)
-
-        busy, _ = _device_kernel_ns(run)
-    except Exception as e:  # noqa: BLE001
-        RESULTS["errors"].append(f"profiler: {type(e).__name__}: {e}")
-        busy = None
+    busy, _ = _profiled_ns(f, sets, n)
     return (wall if busy is None else busy * 1e-9 / (n * len(sets))), wall
 
 

@@ -80,6 +80,23 @@ class Drafter:
         return state
 
 
+def _draft_steps(cfg, ks, params, cache, d, start, rp, j0: int, k: int):
+    """Single-token draft steps j = j0 .. k - 1 in a `lax.scan`: feed d at start + j, draw the next at start + j + 1.
+    -> (drafts [B, k - j0], q [B, k - j0, V], cache)."""
+    from .speculative import draw
+
+    b = d.shape[0]
+
+    def step(carry, j):
+        cache, d = carry
+        lg, cache = forward(cfg, ks, params, cache, d[:, None], start + j, last_only=jnp.zeros((b,), jnp.int32))
+        d2, q2 = draw(lg, rp, start + j + 1)
+        return (cache, d2), (d2, q2)
+
+    (cache, _), (ds, qs) = jax.lax.scan(step, (cache, d), jnp.arange(j0, k, dtype=jnp.int32))
+    return ds.T, qs.transpose(1, 0, 2), cache
+
+
 class ModelDrafter(Drafter):
     """A separate transformer draft model with its own KV cache.
 
@@ -119,17 +136,8 @@ class ModelDrafter(Drafter):
         d, q = draw(logits, rp, start + 1)
         if k == 1:
             return d[:, None], q[:, None], cache
-
-        def step(carry, j):
-            cache, d = carry
-            lg, cache = forward(cfg, ks, params, cache, d[:, None], start + j, last_only=jnp.zeros((b,), jnp.int32))
-            d2, q2 = draw(lg, rp, start + j + 1)
-            return (cache, d2), (d2, q2)
-
-        (cache, _), (ds, qs) = jax.lax.scan(step, (cache, d), jnp.arange(1, k, dtype=jnp.int32))
-        drafts = jnp.concatenate([d[:, None], ds.T], axis=1)
-        q = jnp.concatenate([q[:, None], qs.transpose(1, 0, 2)], axis=1)
-        return drafts, q, cache
+        ds, qs, cache = _draft_steps(cfg, ks, params, cache, d, start, rp, 1, k)
+        return jnp.concatenate([d[:, None], ds], axis=1), jnp.concatenate([q[:, None], qs], axis=1), cache
 
 
 class NgramDrafter(Drafter):
@@ -208,21 +216,10 @@ class LayerSkipDrafter(ModelDrafter):
         return None
 
     def propose(self, params, cache: KVCache, prev, tok, start, rp, k):
-        from .speculative import draw
-
-        cfg, ks, n = self.cfg, self.kernels, self.n
-        b = tok.shape[0]
+        n = self.n
         sub = KVCache(k=cache.k[:n], v=cache.v[:n], lengths=cache.lengths)
-
-        def step(carry, j):
-            sub, d = carry
-            lg, sub = forward(cfg, ks, params, sub, d[:, None], start + j, last_only=jnp.zeros((b,), jnp.int32))
-            d2, q2 = draw(lg, rp, start + j + 1)
-            return (sub, d2), (d2, q2)
-
-        (sub, _), (ds, qs) = jax.lax.scan(step, (sub, tok), jnp.arange(0, k, dtype=jnp.int32))
-        cache = KVCache(k=sub.k + cache.k[n:], v=sub.v + cache.v[n:], lengths=cache.lengths)
-        return ds.T, qs.transpose(1, 0, 2), cache
+        ds, qs, sub = _draft_steps(self.cfg, self.kernels, params, sub, tok, start, rp, 0, k)
+        return ds, qs, KVCache(k=sub.k + cache.k[n:], v=sub.v + cache.v[n:], lengths=cache.lengths)
 
 
 @register("layers", "layers:N")
