@@ -14,7 +14,6 @@ import pytest
 
 import jax
 import jax.numpy as jnp
-from jax._src import mesh as mesh_lib
 
 from lucebox_jax.quant import Int8Array, QuantArray
 from pallas_kernels.attention_decode import attention_decode_pallas
@@ -27,7 +26,7 @@ SDS = jax.ShapeDtypeStruct
 
 @contextlib.contextmanager
 def abstract_h200():
-    dev = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
     with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)):
         yield
 
