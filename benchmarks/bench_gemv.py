@@ -30,22 +30,27 @@ from pallas_kernels import int4_matmul as mm  # noqa: E402
 
 VARIANTS = {
     "default": {},
+    "nk": dict(scales_nk=True),
+    "nopf": dict(prefetch=False),
     "n64": dict(block_n=64),
-    "n256_w8": dict(block_n=256, num_warps=8),
-    "s1": dict(num_stages=1),
+    "n256": dict(block_n=256),
+    "w4": dict(num_warps=4),
+    "gps1": dict(groups_per_step=1),
+    "gps4": dict(groups_per_step=4),
     "s2": dict(num_stages=2),
-    "s4": dict(num_stages=4),
-    "w8": dict(num_warps=8),
+    "inside": dict(xsum="inside"),
     "p528": dict(min_programs=528),
     "p2112": dict(min_programs=2112),
 }
 
 
 def gemv_fn(knobs):
-    def fn(x, words, scales, mins, g):
-        cfg = gv.gemv_default_config(x.shape[0], x.shape[1], words.shape[0], g)
+    def fn(x, kcodes, scales, mins, scales_t, mins_t, g):
+        cfg = gv.gemv_default_config(x.shape[0], x.shape[1], kcodes.shape[0], g)
         cfg.update(knobs)
-        return gv.int4_gemv(x, words, scales, mins, group_size=g, **cfg)
+        if cfg.get("scales_nk"):
+            scales, mins = scales_t, mins_t
+        return gv.int4_gemv(x, kcodes, scales, mins, group_size=g, **cfg)
 
     return fn
 
@@ -70,12 +75,13 @@ def main():
                 w0 = bk.rand_quant(jax.random.PRNGKey(1), k, n, g, sym)
                 nb = bk.qbytes(w0, m, k, n)
                 qsets = bk.make_q_sets(k, n, g, sym, m, bk.n_sets(nb))
-                ksets = [(x, gv.repack_kmajor(w.codes), w.scales, w.mins) for x, w in qsets]
+                ksets = [(x, gv.repack_kmajor(w.codes, g), w.scales, w.mins, w.scales.T.copy(),
+                          None if w.mins is None else w.mins.T.copy()) for x, w in qsets]
                 row = {"shape": sname, "quant": qname, "M": m, "bytes": nb}
                 impls = [("int4_matmul", lambda x, w: mm.qmatmul_pallas(x, w, interpret=False), qsets)]
-                for vn in (names if m == 1 else names[:1]):
+                for vn in (names if m == 1 else names[:2]):
                     f = gemv_fn(VARIANTS[vn])
-                    impls.append((f"gemv_{vn}", lambda x, wd, s, mn, f=f, g=g: f(x, wd, s, mn, g), ksets))
+                    impls.append((f"gemv_{vn}", lambda *a, f=f, g=g: f(*a, g), ksets))
                 for name, fn, sets in impls:
                     if time.time() - t0 > args.budget:
                         break

@@ -712,6 +712,8 @@ def table(bw):
                 f" {fmt(r.get('pallas_k128_w8_us')):>9} {fmt(100 * r.get('pallas_k128_w8_frac_bw', 0), 0):>3} |"
                 f" {fmt(r.get('xla_us')):>6} {fmt(100 * r.get('xla_frac_bw', 0), 0):>3} |"
                 f" {fmt(r.get('jax_gqa_us')):>9} {fmt(100 * r.get('jax_gqa_frac_bw', 0), 0):>3}"
+                + "".join(f" | {v}_us {fmt(r.get(v + '_us'))} {fmt(100 * r.get(v + '_frac_bw', 0), 0)}"
+                          for v in ("pallas_p528", "pallas_p1056") if v + "_us" in r)
             )
     if RESULTS["prefill"]:
         lines.append("prefill (B,T,S,start,Hq,Hkv,D)        pallas_us TFLOP/s | k128w8_us | xla_us TFLOP/s")
@@ -799,7 +801,8 @@ def main():
                     save()
                 if first and "decode" in secs:  # decode/prefill right after M = 1, before the long tail
                     first = False
-                    dv = [("pallas", {}), ("pallas_k128_w8", dict(block_k=128, num_warps=8, num_stages=3))]
+                    dv = [("pallas", {}), ("pallas_k128_w8", dict(block_k=128, num_warps=8, num_stages=3)),
+                          ("pallas_p528", dict(min_programs=528)), ("pallas_p1056", dict(min_programs=1056))]
                     RESULTS["decode"] = bench_decode([1024, 4096, 16384, 32768], bw, variants=dv)
                     save()
                     if "prefill" in secs:

@@ -48,7 +48,7 @@ def main():
             from pallas_kernels import int4_gemv as gv
 
             cfg = gv.gemv_default_config(m, k, n, g) | knobs
-            wd = gv.repack_kmajor(w.codes)
+            wd = gv.repack_kmajor(w.codes, g)
             fn = jax.jit(lambda x, w: gv.int4_gemv(x, wd, w.scales, w.mins, group_size=g, **cfg))
         else:
             fn = jax.jit(pallas_q(knobs))

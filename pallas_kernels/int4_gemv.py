@@ -1,24 +1,23 @@
-"""Int4 GEMV for small M (decode, speculative verify) on a K-major repack of the int4 codes (Pallas-Triton).
+"""Int4 GEMV for small M (decode) on a K-major, group-local repack of the int4 codes (Pallas-Triton).
 
     y [M, N] = x [M, K] @ W [K, N],  W[k, n] = s[k // g, n] * q[k, n] + m[k // g, n]   (asymmetric)
                                      W[k, n] = s[k // g, n] * (q[k, n] - 8)             (symmetric)
 
-Layout ("K-major words", made once at load time by `repack_kmajor` from the engine's half-split codes):
-    words uint32 [N, K / 8]: byte b (0..3) of word (n, i) is byte 4 i + b of column n of the half-split codes, i.e.
-    its low nibble is q[4 i + b, n] and its high nibble q[K/2 + 4 i + b, n].  Scales and mins keep their
-    [K / g, N] layout.
-Why: a GEMV is bound by the bytes it reads, and the N-major layout of `int4_matmul.py` spends ~6.8 instructions per
-weight at M = 1 (H200 profile: bf16 -> f32 shifts, unfused multiply and add, 16 per-column scales per thread) with
-25% occupancy.  Here one 16-byte load gives a thread 32 weights of ONE column, so
-  * the decode is 2 instructions per weight: shift the nibble to bit 19 and OR in 1.0's exponent, which makes the
-    float32 f = 1 + q / 16 (no int -> float convert);
-  * the products are one fused multiply-add per weight inside the same inline asm (P += x f), summed over the
-    group in the thread before any cross-thread work;
+Layout ("K-major, group-local half-split", made once at load time by `repack_kmajor` from the engine's codes):
+    kcodes uint8 [N, K / 2]: byte (n, G g/2 + j), 0 <= j < g/2, holds q[G g + j, n] in its low nibble and
+    q[G g + g/2 + j, n] in its high nibble: both nibbles of a byte are in group G, and the x values a group's bytes
+    meet are two contiguous runs, x[G g : G g + g/2] and x[G g + g/2 : (G+1) g].  Scales and mins keep [K / g, N].
+Why (H200, ncu): the N-major kernel of `int4_matmul.py` spends ~5.4-6.8 instructions per weight at M = 1 and runs
+at 25% occupancy (127 registers).  Here a thread holds 16 consecutive bytes of ONE column, so
+  * one inline-asm call per 4 bytes decodes and multiplies 8 weights: the nibble is shifted to bit 19 and 1.0's
+    exponent ORed in (lop3), which makes the float32 f = 1 + q / 16 with no int -> float convert, then
+    x_lo f_lo + x_hi f_hi (mul + fma): 3 instructions per weight, summed over the group inside the thread;
   * the scale and min are applied once per (column, group): sum_k x W = 16 s (P - X) + m X (asym) or
-    s (16 P - 24 X) (sym), with X = sum of x over the group, computed once per call outside the kernel.
-Grid (N / block_n, split_k); a program owns block_n columns and a range of whole groups; split-K partials are summed
-by XLA.  M <= 16: each row of x reuses the loaded words (the decode is redone per row; M > 4 costs compute).
-In interpret mode (CPU) the asm is replaced by the same arithmetic in jnp.
+    s (16 P - 24 X) (sym), P = sum x f, X = sum x over the group.
+Grid (N / block_n, split_k); a program owns block_n columns and a range of whole groups, `groups_per_step` of them
+per loop step (separate loads, all in flight); split-K partials are summed by XLA.  Each row of x (M <= 4 is the
+intended use) redoes the decode.  X: computed per call outside the kernel ("outside": one small XLA reduction) or
+from the loaded x vectors ("inside").  In interpret mode (CPU) the asm is replaced by the same arithmetic in jnp.
 """
 
 from __future__ import annotations
@@ -31,146 +30,182 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["int4_gemv", "int4_gemv_reference", "repack_kmajor", "gemv_default_config"]
+__all__ = ["int4_gemv", "int4_gemv_reference", "repack_kmajor", "unpack_kmajor", "gemv_default_config"]
 
 _ONE = 0x3F800000  # float32 1.0
-_MASK = 0x00780000  # the 4 bits below 1.0's exponent that make 1 + q / 16
+_MASK = 0x00780000  # the 4 bits below 1.0's exponent: (q << 19) & _MASK | _ONE == 1 + q / 16
 
 
-def repack_kmajor(codes):
-    """Half-split codes uint8 [K/2, N] -> K-major words uint32 [N, K/8] (see the module docstring)."""
+def repack_kmajor(codes, group_size: int):
+    """Half-split codes uint8 [K/2, N] -> K-major group-local codes uint8 [N, K/2] (see the module docstring)."""
     kh, n = codes.shape
-    assert kh % 4 == 0, codes.shape
-    return lax.bitcast_convert_type(codes.T.reshape(n, kh // 4, 4), jnp.uint32)
+    g = group_size
+    lo = jnp.concatenate([codes & 0xF, codes >> 4], axis=0)  # q [K, N]
+    q = lo.T.reshape(n, 2 * kh // g, 2, g // 2)  # [N, groups, (first half, second half), g/2]
+    return (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(n, kh).astype(jnp.uint8)
 
 
-def _shift(nib: int) -> tuple[str, int]:
-    """PTX shift that moves nibble `nib` (0..7, bit 4*nib) of a word to bit 19."""
-    d = 19 - 4 * nib
-    return ("shl.b32", d) if d >= 0 else ("shr.b32", -d)
+def unpack_kmajor(kcodes, group_size: int):
+    """K-major group-local codes uint8 [N, K/2] -> integer codes q [K, N] (uint8, 0..15)."""
+    n, kh = kcodes.shape
+    g = group_size
+    b = kcodes.reshape(n, 2 * kh // g, 1, g // 2)
+    q = jnp.concatenate([b & 0xF, b >> 4], axis=2)  # [N, groups, 2, g/2]
+    return q.reshape(n, 2 * kh).T
 
 
-def _asm_dot4(half: int) -> str:
-    """$0 = sum over the 4 bytes b of word $1 of x_b * (1 + q_b / 16), q_b the low (half 0) or high (half 1) nibble
-    of byte b; x_b is operand $(2 + b).  12 instructions for 4 weights."""
-    lines = ["{", ".reg .b32 t, a;"]
+def _shift(bit: int) -> str:
+    d = 19 - bit
+    return f"shl.b32 t, $4, {d};" if d >= 0 else f"shr.b32 t, $4, {-d};"
+
+
+def _asm_dot() -> str:
+    """Per byte b of the 32-bit word $4 (4 packed code bytes): $b = x_lo_b f_lo_b + x_hi_b f_hi_b with x_lo_b =
+    $(5 + b), x_hi_b = $(9 + b) and f = 1 + q / 16 of the low / high nibble."""
+    lines = ["{", ".reg .b32 t, u;"]
     for b in range(4):
-        op, d = _shift(2 * b + half)
-        lines.append(f"{op} t, $1, {d};")
-        lines.append(f"lop3.b32 t, t, {_MASK:#010x}, {_ONE:#010x}, 0xEA;")
-        lines.append(f"mul.rn.f32 a, $2, t;" if b == 0 else f"fma.rn.f32 a, ${2 + b}, t, a;")
-    lines += ["mov.b32 $0, a;", "}"]
+        lines += [_shift(8 * b), f"lop3.b32 t, t, {_MASK:#010x}, {_ONE:#010x}, 0xEA;",
+                  _shift(8 * b + 4).replace(" t, ", " u, ", 1), f"lop3.b32 u, u, {_MASK:#010x}, {_ONE:#010x}, 0xEA;",
+                  f"mul.rn.f32 t, ${5 + b}, t;", f"fma.rn.f32 ${b}, ${9 + b}, u, t;"]
+    lines.append("}")
     return "\n".join(lines)
 
 
-def _dot4_jnp(wd, xs, half: int):
-    """What `_asm_dot4` computes, in jnp (interpret mode)."""
-    acc = None
-    for b in range(4):
-        q = ((wd >> (8 * b + 4 * half)) & 0xF).astype(jnp.float32)
-        t = xs[b] * (1.0 + q / 16.0)
-        acc = t if acc is None else acc + t
-    return acc
-
-
-def _group_sum(wd, xs, half: int, asm: bool):
-    """[bn] float32: sum over the group of x_k * (1 + q_k / 16) for one half."""
-    if asm:
-        (p,) = plgpu.elementwise_inline_asm(
-            _asm_dot4(half), args=[wd] + xs, constraints="=r,r,r,r,r,r", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(wd.shape, jnp.float32)],
-        )
-    else:
-        p = _dot4_jnp(wd, xs, half)
-    return jnp.sum(p, axis=1)
+def _dot_jnp(c, x_lo, x_hi):
+    """What `_asm_dot` computes, in jnp (interpret mode)."""
+    f_lo = 1.0 + (c & 0xF).astype(jnp.float32) / 16.0
+    f_hi = 1.0 + (c >> 4).astype(jnp.float32) / 16.0
+    return x_lo * f_lo + x_hi * f_hi
 
 
 def _scaled(p, xsum, s, mn):
-    """sum_k x_k W_k over one group from P = sum x (1 + q/16) and X = sum x:  asym 16 s (P - X) + m X,
-    sym s (16 P - 24 X)."""
+    """sum_k x_k W_k over one group from P = sum x (1 + q/16) and X = sum x."""
     if mn is None:
         return s * (16.0 * p - 24.0 * xsum)
     return 16.0 * s * (p - xsum) + mn * xsum
 
 
-def _kernel(*refs, nh, g, bn, n_cols, m, groups_per_split, n_groups, has_mins, asm, out_partial):
-    if has_mins:
-        x_ref, xs_ref, w_ref, s_ref, mn_ref, o_ref = refs
-    else:
-        x_ref, xs_ref, w_ref, s_ref, o_ref = refs
-        mn_ref = None
+def _kernel(*refs, g, bn, n_cols, m, steps_per_split, n_steps, gps, has_mins, asm, out_partial, xsum_inside,
+            prefetch, scales_nk):
+    refs = list(refs)
+    x_ref = refs.pop(0)
+    xs_ref = None if xsum_inside else refs.pop(0)
+    c_ref, s_ref = refs.pop(0), refs.pop(0)
+    mn_ref = refs.pop(0) if has_mins else None
+    (o_ref,) = refs
     pid_n, pid_k = pl.program_id(0), pl.program_id(1)
     n0 = pid_n * bn
-    gw = g // 4  # words per group and column
+    h = g // 2  # bytes per group and column
     ragged = n_cols % bn != 0
     cols = n0 + jnp.arange(bn)
     lm = dict(mask=(cols < n_cols)[:, None], other=0) if ragged else {}
     vm = dict(mask=(cols < n_cols)[None, :], other=0) if ragged else {}
-    g0 = pid_k * groups_per_split
-    g1 = jnp.minimum(g0 + groups_per_split, n_groups)
+    t0 = pid_k * steps_per_split
+    t1 = jnp.minimum(t0 + steps_per_split, n_steps)
 
-    def row(ref, j):
-        return plgpu.load(ref.at[pl.ds(j, 1), pl.ds(n0, bn)], **vm).astype(jnp.float32)[0]
+    def vec(ref, j):  # [bn, 1] float32 scale (or min) column of group j
+        if scales_nk:  # [N, K/g]: already a column
+            return plgpu.load(ref.at[pl.ds(n0, bn), pl.ds(j, 1)], **lm).astype(jnp.float32)
+        return plgpu.load(ref.at[pl.ds(j, 1), pl.ds(n0, bn)], **vm).astype(jnp.float32).T
 
-    def body(gi, acc):
-        w0 = pl.multiple_of(gi * gw, gw)
-        wd = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(w0, gw)], **lm)  # [bn, gw] uint32
-        s_lo, s_hi = row(s_ref, gi), row(s_ref, gi + nh)
-        m_lo = m_hi = None
-        if mn_ref is not None:
-            m_lo, m_hi = row(mn_ref, gi), row(mn_ref, gi + nh)
-        new = []
-        for r in range(m):
-            out = acc[r]
-            for half, s, mn in ((0, s_lo, m_lo), (1, s_hi, m_hi)):
-                k0 = half * nh * g + w0 * 4  # x of byte b of each word of this group: stride 4 along K
-                xs = [jnp.broadcast_to(x_ref[pl.ds(r, 1), pl.ds(k0 + b, gw, stride=4)], (bn, gw)) for b in range(4)]
-                p = _group_sum(wd, xs, half, asm)
-                xsum = xs_ref[pl.ds(r, 1), pl.ds(gi + half * nh, 1)][0, 0]
-                out = out + _scaled(p, xsum, s, mn)
-            new.append(out)
-        return tuple(new)
+    def load_step(t):
+        """Everything step t reads from memory: per group its code tile, scale (and min), x runs and X."""
+        out = []
+        for sub in range(gps):
+            gi = t * gps + sub
+            c = plgpu.load(c_ref.at[pl.ds(n0, bn), pl.ds(pl.multiple_of(gi * h, h), h)], **lm)  # [bn, g/2] u8
+            s = vec(s_ref, gi)
+            mn = vec(mn_ref, gi) if mn_ref is not None else jnp.zeros_like(s)
+            xs = []
+            for r in range(m):
+                x_lo = x_ref[pl.ds(r, 1), pl.ds(gi * g, h)]  # [1, g/2] float32
+                x_hi = x_ref[pl.ds(r, 1), pl.ds(gi * g + h, h)]
+                if xsum_inside:
+                    xsum = jnp.sum(x_lo) + jnp.sum(x_hi)
+                else:
+                    xsum = xs_ref[pl.ds(r, 1), pl.ds(gi, 1)][0, 0]
+                xs.append((x_lo, x_hi, xsum))
+            out.append((c, s, mn, tuple(xs)))
+        return tuple(out)
 
-    acc = lax.fori_loop(g0, g1, body, tuple(jnp.zeros((bn,), jnp.float32) for _ in range(m)))
+    def compute(acc, loaded):
+        acc = list(acc)
+        for c, s, mn, xs in loaded:
+            for r, (x_lo, x_hi, xsum) in enumerate(xs):
+                xl, xh = jnp.broadcast_to(x_lo, (bn, h)), jnp.broadcast_to(x_hi, (bn, h))
+                if asm:
+                    (p,) = plgpu.elementwise_inline_asm(
+                        _asm_dot(), args=[c, xl, xh], constraints="=r,=r,=r,=r," + ",".join(["r"] * 9), pack=4,
+                        result_shape_dtypes=[jax.ShapeDtypeStruct((bn, h), jnp.float32)],
+                    )
+                else:
+                    p = _dot_jnp(c, xl, xh)
+                acc[r] = acc[r] + _scaled(jnp.sum(p, axis=1, keepdims=True), xsum, s,
+                                          mn if mn_ref is not None else None)
+        return tuple(acc)
+
+    zero = tuple(jnp.zeros((bn, 1), jnp.float32) for _ in range(m))
+    if prefetch:  # software pipelining: step t + 1's loads are issued before step t's math
+        def body(t, carry):
+            acc, cur = carry
+            nxt = load_step(jnp.minimum(t + 1, t1 - 1))
+            return compute(acc, cur), nxt
+
+        acc, _ = lax.fori_loop(t0, t1, body, (zero, load_step(t0)))
+    else:
+        acc = lax.fori_loop(t0, t1, lambda t, a: compute(a, load_step(t)), zero)
     sm = dict(mask=(cols < n_cols)[None, :]) if ragged else {}
     for r in range(m):
+        row = acc[r].T  # [1, bn]
         if out_partial:
-            plgpu.store(o_ref.at[pid_k, pl.ds(r, 1), pl.ds(n0, bn)], acc[r][None, :], **sm)
+            plgpu.store(o_ref.at[pid_k, pl.ds(r, 1), pl.ds(n0, bn)], row, **sm)
         else:
-            plgpu.store(o_ref.at[pl.ds(r, 1), pl.ds(n0, bn)], acc[r][None, :].astype(o_ref.dtype), **sm)
+            plgpu.store(o_ref.at[pl.ds(r, 1), pl.ds(n0, bn)], row.astype(o_ref.dtype), **sm)
 
 
 def gemv_default_config(m: int, k: int, n: int, group_size: int) -> dict:
     """Tuning knobs (H200: see benchmarks/RESULTS.md)."""
-    return dict(block_n=128, split_k=None, num_warps=4, num_stages=3, min_programs=1056)
+    return dict(block_n=128, groups_per_step=max(1, 64 // group_size), split_k=None, num_warps=8, num_stages=1,
+                min_programs=1056, xsum="outside", prefetch=True)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "block_n", "split_k", "num_warps", "num_stages",
-                                             "min_programs", "interpret"))
-def int4_gemv(x, words, scales, mins=None, *, group_size: int, block_n: int = 128, split_k: int | None = None,
-              num_warps: int = 4, num_stages: int = 3, min_programs: int = 1056, interpret: bool = False):
-    """x [M, K] @ int4 W (K-major words uint32 [N, K/8] from `repack_kmajor`, scales/mins float16 [K/g, N]) ->
-    [M, N] in x.dtype.  group_size: a multiple of 4 dividing K/2; split_k None: enough K splits for
-    `min_programs` programs."""
+@functools.partial(jax.jit, static_argnames=("group_size", "block_n", "groups_per_step", "split_k", "num_warps",
+                                             "num_stages", "min_programs", "xsum", "prefetch", "scales_nk", "interpret"))
+def int4_gemv(x, kcodes, scales, mins=None, *, group_size: int, block_n: int = 256, groups_per_step: int = 2,
+              split_k: int | None = None, num_warps: int = 4, num_stages: int = 3, min_programs: int = 1056,
+              xsum: str = "outside", prefetch: bool = True, scales_nk: bool = False,
+              interpret: bool = False):
+    """x [M, K] @ int4 W (kcodes uint8 [N, K/2] from `repack_kmajor`, scales/mins float16 [K/g, N]) -> [M, N] in
+    x.dtype.  groups_per_step must divide K/g (it is reduced until it does); split_k None: enough K splits for
+    `min_programs` programs; xsum: "outside" | "inside" (where X = sum of x per group is computed); prefetch: load
+    the next step's tiles before this step's math (the loop carries them); scales_nk: scales/mins come K-major,
+    [N, K/g] (loaded as columns, no transpose in the kernel)."""
     from .int4_matmul import split_plan
 
     m, k = x.shape
-    n, kw = words.shape
+    n, kh = kcodes.shape
     g = group_size
-    assert k == 8 * kw and (k // 2) % g == 0 and g % 4 == 0, (x.shape, words.shape, g)
-    nh = k // 2 // g  # groups per half
+    assert k == 2 * kh and k % g == 0 and g % 8 == 0, (x.shape, kcodes.shape, g)
+    assert xsum in ("outside", "inside"), xsum
+    n_groups = k // g
+    assert scales.shape == ((n, n_groups) if scales_nk else (n_groups, n)), (scales.shape, scales_nk)
+    gps = max(1, min(groups_per_step, n_groups))
+    while n_groups % gps:
+        gps -= 1
+    n_steps = n_groups // gps
     n_blocks = -(-n // block_n)
-    split_k, groups_per_split = split_plan(nh, n_blocks, split_k, min_programs)
+    split_k, steps_per_split = split_plan(n_steps, n_blocks, split_k, min_programs)
     xf = x.astype(jnp.float32)
-    xsum = xf.reshape(m, k // g, g).sum(axis=-1)  # X per group
     out_partial = split_k > 1
     kern = functools.partial(
-        _kernel, nh=nh, g=g, bn=block_n, n_cols=n, m=m, groups_per_split=groups_per_split, n_groups=nh,
-        has_mins=mins is not None, asm=not interpret, out_partial=out_partial,
+        _kernel, g=g, bn=block_n, n_cols=n, m=m, steps_per_split=steps_per_split, n_steps=n_steps, gps=gps,
+        has_mins=mins is not None, asm=not interpret, out_partial=out_partial, xsum_inside=xsum == "inside",
+        prefetch=prefetch, scales_nk=scales_nk,
     )
     out_shape = (jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if out_partial
                  else jax.ShapeDtypeStruct((m, n), x.dtype))
-    args = [xf, xsum, words, scales] + ([mins] if mins is not None else [])
+    args = [xf] + ([] if xsum == "inside" else [xf.reshape(m, n_groups, g).sum(axis=-1)])
+    args += [kcodes, scales] + ([mins] if mins is not None else [])
     out = pl.pallas_call(
         kern, out_shape=out_shape, grid=(n_blocks, split_k),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -181,8 +216,9 @@ def int4_gemv(x, words, scales, mins=None, *, group_size: int, block_n: int = 12
     return out.astype(x.dtype)
 
 
-def int4_gemv_reference(x, codes, scales, mins=None, *, group_size: int):
-    """Plain jnp on the half-split codes: dequantize to float32, one float32 dot, result in x.dtype."""
-    from .int4_matmul import int4_matmul_reference
-
-    return int4_matmul_reference(x, codes, scales, mins, group_size=group_size)
+def int4_gemv_reference(x, kcodes, scales, mins=None, *, group_size: int):
+    """Plain jnp on the K-major codes: dequantize to float32, one float32 dot, result in x.dtype."""
+    q = unpack_kmajor(kcodes, group_size).astype(jnp.float32)
+    s = jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)
+    w = s * (q - 8.0) if mins is None else s * q + jnp.repeat(mins.astype(jnp.float32), group_size, axis=0)
+    return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(x.dtype)
