@@ -49,7 +49,7 @@ def main():
 
             cfg = gv.gemv_default_config(m, k, n, g) | knobs
             wd = gv.repack_kmajor(w.codes, g)
-            fn = jax.jit(lambda x, w: gv.int4_gemv(x, wd, w.scales, w.mins, group_size=g, **cfg))
+            fn = jax.jit(lambda x, w, wd=wd, g=g, cfg=cfg: gv.int4_gemv(x, wd, w.scales, w.mins, group_size=g, **cfg))
         else:
             fn = jax.jit(pallas_q(knobs))
         err = q_check(fn, x, w)  # compiles, runs once, checks

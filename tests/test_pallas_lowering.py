@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from lucebox_jax.quant import Int8Array, QuantArray
 from pallas_kernels.attention_decode import attention_decode_pallas
 from pallas_kernels.attention_prefill import attention_prefill_pallas
+from pallas_kernels.int4_gemv import gemv_default_config, int4_gemv
 from pallas_kernels.int4_matmul import int4_matmul, qmatmul_pallas
 from pallas_kernels.int8_matmul import int8_matmul, qmatmul8_pallas
 
@@ -69,6 +70,23 @@ def test_int4_variants_lower(kw):
             SDS((k // g, n), jnp.float16))
     kw = dict(dict(decode="asm"), **kw)
     txt = lower_cuda(lambda x, c, s, mn: int4_matmul(x, c, s, mn, group_size=g, **kw), *args)
+    assert "xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("kw", [{}, dict(prefetch=False), dict(xsum="inside"), dict(scales_nk=True),
+                                dict(block_n=256, num_warps=4, groups_per_step=4)])
+@pytest.mark.parametrize("m,g,sym", [(1, 32, False), (1, 128, True), (3, 32, True)])
+@pytest.mark.parametrize("k,n", [(576, 1728), (4096, 28672), (14336, 4096)])
+def test_int4_gemv_lowers(k, n, m, g, sym, kw):
+    """The K-major GEMV (asm decode + FMA) at the benchmarked shapes, default knobs and each code-path knob."""
+    if k % g:
+        pytest.skip("group does not divide K")
+    cfg = dict(gemv_default_config(m, k, n, g), **kw)
+    nk = cfg.get("scales_nk", False)
+    sshape = (n, k // g) if nk else (k // g, n)
+    args = (SDS((m, k), jnp.bfloat16), SDS((n, k // 2), jnp.uint8), SDS(sshape, jnp.float16),
+            None if sym else SDS(sshape, jnp.float16))
+    txt = lower_cuda(lambda x, c, s, mn: int4_gemv(x, c, s, mn, group_size=g, **cfg), *args)
     assert "xla.gpu.triton" in txt
 
 
