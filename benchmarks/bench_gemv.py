@@ -4,7 +4,8 @@
     PYTHONPATH=. python3 benchmarks/bench_gemv.py [--budget 300] [--ms 1,4,16] [--variants all|default]
 
 At Llama-3-8B layer shapes, g32 asymmetric and g128 symmetric: copy bandwidth first, then for each case the
-registered `qmatmul` Pallas kernel (`int4_matmul`, tuned table) and each GEMV variant, µs of GPU kernel time (JAX
+registered `qmatmul` Pallas kernel (`int4_matmul`, tuned table), its fused asm decode + FMA variants (`MM_VARIANTS`,
+M = 1) and each GEMV variant, µs of GPU kernel time (JAX
 profiler, split-K combine included) over input sets larger than L2, checked against the float32 reference first.
 Writes $OUT/bench_gemv.json; a short table prints last.
 """
@@ -44,6 +45,22 @@ VARIANTS = {
 }
 
 
+# int4_matmul (N-major, the registered kernel) with the fused asm decode + FMA, at M = 1 (knobs over its defaults)
+MM_VARIANTS = {
+    "asmfma_k128_n64": dict(mode="fma", decode="asm_fma", block_k=128, block_n=64, num_warps=4, num_stages=4),
+    "asmfma_k64_n128": dict(mode="fma", decode="asm_fma", block_k=64, block_n=128, num_warps=4, num_stages=4),
+    "asmfma_k32_n128": dict(mode="fma", decode="asm_fma", block_k=32, block_n=128, num_warps=4, num_stages=4),
+    "asmfma_k128_n64_w8": dict(mode="fma", decode="asm_fma", block_k=128, block_n=64, num_warps=8, num_stages=3),
+}
+
+
+def mm_fn(knobs):
+    def fn(x, w):
+        return mm.qmatmul_pallas(x, w, interpret=False, **knobs)
+
+    return fn
+
+
 def gemv_fn(knobs):
     def fn(x, kcodes, scales, mins, scales_t, mins_t, g):
         cfg = gv.gemv_default_config(x.shape[0], x.shape[1], kcodes.shape[0], g)
@@ -61,6 +78,8 @@ def main():
     ap.add_argument("--ms", default="1,4,16")
     ap.add_argument("--variants", default="all", help="all | default | comma list of VARIANTS names")
     ap.add_argument("--shapes", default="gate_up,down,qkv,o")
+    ap.add_argument("--mm-variants", type=int, default=1, help="1: also time int4_matmul's MM_VARIANTS at M = 1")
+    ap.add_argument("--no-gemv", action="store_true", help="only int4_matmul and its MM_VARIANTS")
     args = ap.parse_args()
     t0 = time.time()
     bw = bk.bench_copy()
@@ -79,7 +98,9 @@ def main():
                           None if w.mins is None else w.mins.T.copy()) for x, w in qsets]
                 row = {"shape": sname, "quant": qname, "M": m, "bytes": nb}
                 impls = [("int4_matmul", lambda x, w: mm.qmatmul_pallas(x, w, interpret=False), qsets)]
-                for vn in (names if m == 1 else names[:2]):
+                if m == 1 and args.mm_variants:
+                    impls += [(f"mm_{vn}", mm_fn(kn), qsets) for vn, kn in MM_VARIANTS.items()]
+                for vn in ([] if args.no_gemv else names if m == 1 else names[:2]):
                     f = gemv_fn(VARIANTS[vn])
                     impls.append((f"gemv_{vn}", lambda *a, f=f, g=g: f(*a, g), ksets))
                 for name, fn, sets in impls:
@@ -102,9 +123,10 @@ def main():
                 with open(os.path.join(bk.OUT, "bench_gemv.json"), "w") as fh:
                     json.dump({"copy_GBps": bw, "rows": rows}, fh, indent=1)
     print(f"copy {bw:.0f} GB/s; total {time.time() - t0:.0f} s")
-    print("shape quant M | int4_matmul us (%bw) | best gemv variant us (%bw)")
+    print("shape quant M | int4_matmul us (%bw) | best variant (gemv_* or mm_*) us (%bw)")
     for r in rows:
-        best = min(((kk[:-3], v) for kk, v in r.items() if kk.startswith("gemv_") and kk.endswith("_us")),
+        best = min(((kk[:-3], v) for kk, v in r.items()
+                    if kk.startswith(("gemv_", "mm_")) and kk.endswith("_us")),
                    key=lambda t: t[1], default=(None, None))
         base = r.get("int4_matmul_us")
         bb = r.get("int4_matmul_bw")

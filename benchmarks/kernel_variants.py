@@ -6,7 +6,9 @@
 Why: a 135M model's int4 matmuls are a few hundred KB each, so their time is latency (launch, memory round trips),
 not bytes. These variants only change knobs of the registered Pallas kernels for such small weights; a winner moves
 into `pallas_kernels/int4_matmul.default_config` (H200, 2026-12-02: no split at all was 2.2x slower, one K tile per
-program won and is now the default; benchmarks/RESULTS.md, "small weights").
+program won and is now the default; benchmarks/RESULTS.md, "small weights").  `pallas_asmfma` is the other way
+round: the big weights at M = 1 through int4_matmul's fused asm decode + FMA (`decode="asm_fma"`), to time a whole
+8B step with it (`--models llama3-8b --batches 1 --kernel-sets ';qmatmul=pallas_asmfma'`).
 """
 
 from __future__ import annotations
@@ -40,3 +42,14 @@ ops.register("qmatmul", "pallas_split2_small")(_variant(split_k=2))
 ops.register("qmatmul", "pallas_splitall_small")(_variant(max_m=16, split_k=1 << 12))
 ops.register("qmatmul", "pallas_splitall_small_n64")(_variant(max_m=16, split_k=1 << 12, block_n=64))
 ops.register("qmatmul", "pallas_splitall_small_dot")(_variant(max_m=16, split_k=1 << 12, mode="dot", decode="asm"))
+
+
+def _asm_fma(x, w):
+    """M = 1: int4_matmul's fused asm decode + FMA (mode fma, block 128 x 64); other M: the registered kernel."""
+    if x.shape[0] != 1 or _small(w) or (x.shape[-1] // 2) % w.group_size:
+        return qmatmul_pallas_op(x, w)
+    return qmatmul_pallas(x, w, mode="fma", decode="asm_fma", block_k=min(128, x.shape[-1] // 2), block_n=64)
+
+
+# decode="asm_fma" (4 instructions per weight instead of 5.4-6.8) for the big weights at M = 1; not yet timed
+ops.register("qmatmul", "pallas_asmfma")(_asm_fma)

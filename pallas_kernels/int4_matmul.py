@@ -28,7 +28,10 @@ broadcasts them to [block_k, block_n] in registers; "gather" loads [block_k, blo
 pipelined through shared memory, which overflows).  With no masks when block_n divides N.
 Split-K reduction (`reduce=`): "xla" writes float32 partials [split_k, M, N] summed by XLA; "atomic" atomically adds
 into one zeroed float32 [M, N] buffer (then one cast).  Tuned configs: see `default_config` / `tuned_config`.
-In interpret mode (CPU) "asm" is replaced by the plain-jnp decode (same function up to bf16 rounding).
+  * "asm_fma": (GPU, mode "fma" only) one PTX inline asm per 4 bytes does the f32 decode, the scale/min and the
+            multiply-accumulate with fused FMAs: 4 instructions per weight (experimental: see `_asm_fma`).
+In interpret mode (CPU) "asm" is replaced by the plain-jnp decode (same function up to bf16 rounding), and
+"asm_fma" (or "asm_fma" with another mode) by "f32", the same float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -141,6 +144,48 @@ def _decode_asm_emulated(c, s_lo, s_hi, m_lo, m_hi):
     return (q_lo * r(s_lo) + r(m_lo)).astype(jnp.bfloat16), (q_hi * r(s_hi) + r(m_hi)).astype(jnp.bfloat16)
 
 
+def _asm_fma() -> str:
+    """Fused decode + multiply-accumulate for mode "fma" (float32, 4 instructions per weight): per byte b of the
+    word $4, acc_b = $(29+b) + x_lo (a_lo f_lo + b_lo) + x_hi (a_hi f_hi + b_hi) with f = 1 + q/16 made by a shift
+    and a lop3 (1.0's exponent ORed in), x_lo = $(5+b), x_hi = $(9+b), a_lo/b_lo = $(13+b)/$(17+b), a_hi/b_hi =
+    $(21+b)/$(25+b); the result goes to $b.  Why: Pallas-Triton emits the jnp version as a widening, separate
+    FMUL and FADD, ~6.8 instructions per weight (ncu, benchmarks/RESULTS.md "Round 4")."""
+    def shift(reg, bit):
+        d = 19 - bit
+        return f"shl.b32 {reg}, $4, {d};" if d >= 0 else f"shr.b32 {reg}, $4, {-d};"
+
+    lines = ["{", ".reg .b32 t, u;"]
+    for b in range(4):
+        lines += [
+            shift("t", 8 * b), f"lop3.b32 t, t, {_MASK:#010x}, {_F32_ONE:#010x}, 0xEA;",
+            shift("u", 8 * b + 4), f"lop3.b32 u, u, {_MASK:#010x}, {_F32_ONE:#010x}, 0xEA;",
+            f"fma.rn.f32 t, t, ${13 + b}, ${17 + b};", f"fma.rn.f32 u, u, ${21 + b}, ${25 + b};",
+            f"fma.rn.f32 ${b}, ${5 + b}, t, ${29 + b};", f"fma.rn.f32 ${b}, ${9 + b}, u, ${b};",
+        ]
+    lines.append("}")
+    return "\n".join(lines)
+
+
+_MASK = 0x00780000  # the 4 mantissa bits below 1.0's exponent: (q << 19) & _MASK | 1.0 == 1 + q / 16
+
+
+def _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc):
+    """acc [bk, bn] + x_lo W_lo + x_hi W_hi through `_asm_fma` (scales/mins float32 [1, bn] or [bk, bn])."""
+    shape = c.shape
+    a_lo, a_hi = 16.0 * s_lo, 16.0 * s_hi
+    if m_lo is None:
+        b_lo, b_hi = -24.0 * s_lo, -24.0 * s_hi
+    else:
+        b_lo, b_hi = m_lo - a_lo, m_hi - a_hi
+    bc = lambda v: jnp.broadcast_to(v, shape)  # noqa: E731
+    args = [c, bc(x_lo[:, None]), bc(x_hi[:, None]), bc(a_lo), bc(b_lo), bc(a_hi), bc(b_hi), acc]
+    (out,) = plgpu.elementwise_inline_asm(
+        _asm_fma(), args=args, constraints="=r,=r,=r,=r," + ",".join(["r"] * 29), pack=4,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)],
+    )
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # kernel
 # ---------------------------------------------------------------------------------------------------------------
@@ -203,6 +248,10 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
         m_lo = m_hi = None
         if m_ref is not None:
             m_lo, m_hi = load_scales(m_ref, r0)
+        if decode == "asm_fma":  # mode "fma" only (checked by the wrapper)
+            x_lo = x_ref[0, pl.ds(r0, bk)].astype(jnp.float32)
+            x_hi = x_ref[0, pl.ds(k_half + r0, bk)].astype(jnp.float32)
+            return _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc)
         if decode == "asm":
             w_lo, w_hi = _decode_asm(c, s_lo, s_hi, m_lo, m_hi)
         elif decode == "asm_emulated":
@@ -341,7 +390,7 @@ def int4_matmul(
 
     block_k: byte rows per loop step (a power of two dividing K/2; a divisor or a multiple of group_size);
     split_k: K splits (None: enough programs to fill the chip, `min_programs` of them); decode: "f32" | "asm" (GPU,
-    bf16); mode: "dot" | "dot_t" (W^T x^T: the weight tile is the dot's M side) | "fma" | "fma_r" (M == 1 only;
+    bf16) | "asm_fma" (GPU, mode "fma"); mode: "dot" | "dot_t" (W^T x^T: the weight tile is the dot's M side) | "fma" | "fma_r" (M == 1 only;
     "fma_r" reduces over K every step into a [1, block_n] accumulator); scales_mode (block_k > g only): "tile"
     (one [block_k/g, block_n] scale load per step, broadcast in registers) | "gather" (per-row gathered loads);
     reduce (split_k > 1): "xla" (float32 partials [split_k, M, N] summed by XLA) | "atomic" (float32 atomic adds
@@ -358,6 +407,8 @@ def int4_matmul(
         decode = "asm_emulated" if x.dtype == jnp.bfloat16 else "f32"
     if mode in ("fma", "fma_r") and m != 1:
         mode = "dot"
+    if decode == "asm_fma" and (interpret or mode != "fma"):  # the same float32 arithmetic in jnp
+        decode = "f32"
     if mode in ("fma", "fma_r"):
         bm = 1
     else:

@@ -102,6 +102,8 @@ QV2 = [  # M, K, N, g, symmetric, dtype, knobs
                                                 num_warps=8, min_programs=16)),
     (16, 512, 48, 32, False, jnp.float32, dict(mode="dot_t", block_k=64, block_n=32, split_k=2)),
     (3, 512, 80, 32, True, jnp.float32, dict(block_k=64, block_n=32, scales_mode="gather", split_k=2)),
+    (1, 1024, 80, 128, True, jnp.bfloat16, dict(mode="fma", decode="asm_fma", block_k=128, block_n=32, split_k=3)),
+    (2, 512, 64, 32, False, jnp.bfloat16, dict(mode="fma", decode="asm_fma", block_k=64, block_n=32)),  # -> dot
 ]
 
 
@@ -264,7 +266,9 @@ def test_gpu_qmatmul(m, g, sym):
         y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode=decode)
         assert rel(y, ref) < TOL[jnp.bfloat16]
     for kw in (dict(block_k=128, block_n=64, reduce="atomic"), dict(mode="dot_t", block_k=128, block_n=64),
-               dict(mode="fma_r", block_k=64, block_n=128, num_warps=8), dict(mode="fma", block_k=128, block_n=64)):
+               dict(mode="fma_r", block_k=64, block_n=128, num_warps=8), dict(mode="fma", block_k=128, block_n=64),
+               dict(mode="fma", decode="asm_fma", block_k=128, block_n=64),
+               dict(mode="fma", decode="asm_fma", block_k=32, block_n=128, split_k=1 << 12)):
         y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode="asm", **kw)
         assert rel(y, ref) < TOL[jnp.bfloat16], kw
 

@@ -63,7 +63,9 @@ def test_int4_default_configs_lower(k, n, g, sym, m):
                                 dict(block_k=128, block_n=64, scales_mode="gather"),
                                 dict(mode="fma", block_k=128, block_n=64, split_k=1 << 12),
                                 dict(mode="fma", block_k=128, block_n=32, num_warps=2),
-                                dict(block_k=256, block_n=32, num_stages=3)])
+                                dict(block_k=256, block_n=32, num_stages=3),
+                                dict(mode="fma", decode="asm_fma", block_k=128, block_n=64),
+                                dict(mode="fma", decode="asm_fma", block_k=32, block_n=128, split_k=1 << 12)])
 def test_int4_variants_lower(kw):
     k, n, g = 1024, 1000, 32
     args = (SDS((1, k), jnp.bfloat16), SDS((k // 2, n), jnp.uint8), SDS((k // g, n), jnp.float16),
