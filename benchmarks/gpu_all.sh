@@ -4,7 +4,8 @@
 # the peer sections in the time left.
 # Usage on the device machine (repo root, .peers carried):  BUDGET=570 bash benchmarks/gpu_all.sh
 # KERNEL_SECONDS=0 skips the kernel step; DECODE_ARGS / PEER_SECTIONS / PEER_SECONDS adjust the others;
-# GPU_TESTS=0 skips the `gpu`-marked pytest run that comes first; GEMV_SECONDS=N adds benchmarks/bench_gemv.py.
+# GPU_TESTS=0 skips the `gpu`-marked pytest run that comes first; GEMV_SECONDS=N adds benchmarks/bench_gemv.py;
+# DECODE=0 skips the decode benchmark and the peers (e.g. a first call of tests + kernels, a second of decode + peers).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 BUDGET=${BUDGET:-570}
@@ -26,9 +27,11 @@ if [ "$KS" -gt 0 ]; then
   timeout $(( KS + 20 )) python3 benchmarks/bench_kernels.py --sections copy,qmatmul,q8,decode,prefill --budget "$KS" \
     2>&1 | grep -v -i "$F" > "$OUT/kernels.log"
 fi
-timeout $(( $(left) - ${PEER_SECONDS:-200} )) python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 \
-  | grep -v -i "$F" > "$OUT/decode.log"
-if [ -f .peers/peer_bench.py ] && [ "$(left)" -gt 60 ]; then
+if [ "${DECODE:-1}" = 1 ]; then
+  dt=$(( $(left) - ${PEER_SECONDS:-200} )); [ "$dt" -lt 60 ] && dt=60
+  timeout "$dt" python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | grep -v -i "$F" > "$OUT/decode.log"
+fi
+if [ "${DECODE:-1}" = 1 ] && [ -f .peers/peer_bench.py ] && [ "$(left)" -gt 60 ]; then
   python3 .peers/peer_bench.py --sections "${PEER_SECTIONS:-B,D_int4_b1,C_static_b1,C_static_b32}" \
     --budget $(( $(left) - 10 )) 2>&1 | tail -40 > "$OUT/peer.log"
 fi
