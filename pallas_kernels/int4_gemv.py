@@ -15,8 +15,8 @@ at 25% occupancy (127 registers).  Here a thread holds 16 consecutive bytes of O
   * the scale and min are applied once per (column, group): sum_k x W = 16 s (P - X) + m X (asym) or
     s (16 P - 24 X) (sym), P = sum x f, X = sum x over the group.
 Grid (N / block_n, split_k); a program owns block_n columns and a range of whole groups, `groups_per_step` of them
-per loop step (separate loads, all in flight); split-K partials are summed by XLA.  Each row of x (M <= 4 is the
-intended use) redoes the decode.  X: computed per call outside the kernel ("outside": one small XLA reduction) or
+per loop step (separate loads, all in flight); split-K partials are summed by XLA.  Each row of x redoes the decode
+(M = 1 is the intended use: M = 4 measured 1.6-2.8x slower than int4_matmul).  X: computed per call outside the kernel ("outside": one small XLA reduction) or
 from the loaded x vectors ("inside").  In interpret mode (CPU) the asm is replaced by the same arithmetic in jnp.
 """
 
@@ -30,11 +30,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["int4_gemv", "int4_gemv_reference", "repack_kmajor", "unpack_kmajor", "gemv_default_config"]
+from .int4_matmul import ptx_nibble_f32, split_plan
 
-_ONE = 0x3F800000  # float32 1.0
-_MASK = 0x00780000  # the 4 bits below 1.0's exponent: (q << 19) & _MASK | _ONE == 1 + q / 16
-
+__all__ = ["gemv_default_config", "int4_gemv", "int4_gemv_reference", "repack_kmajor", "unpack_kmajor"]
 
 def repack_kmajor(codes, group_size: int):
     """Half-split codes uint8 [K/2, N] -> K-major group-local codes uint8 [N, K/2] (see the module docstring)."""
@@ -54,19 +52,13 @@ def unpack_kmajor(kcodes, group_size: int):
     return q.reshape(n, 2 * kh).T
 
 
-def _shift(bit: int) -> str:
-    d = 19 - bit
-    return f"shl.b32 t, $4, {d};" if d >= 0 else f"shr.b32 t, $4, {-d};"
-
-
 def _asm_dot() -> str:
     """Per byte b of the 32-bit word $4 (4 packed code bytes): $b = x_lo_b f_lo_b + x_hi_b f_hi_b with x_lo_b =
     $(5 + b), x_hi_b = $(9 + b) and f = 1 + q / 16 of the low / high nibble."""
     lines = ["{", ".reg .b32 t, u;"]
     for b in range(4):
-        lines += [_shift(8 * b), f"lop3.b32 t, t, {_MASK:#010x}, {_ONE:#010x}, 0xEA;",
-                  _shift(8 * b + 4).replace(" t, ", " u, ", 1), f"lop3.b32 u, u, {_MASK:#010x}, {_ONE:#010x}, 0xEA;",
-                  f"mul.rn.f32 t, ${5 + b}, t;", f"fma.rn.f32 ${b}, ${9 + b}, u, t;"]
+        lines += ptx_nibble_f32("t", "$4", 8 * b) + ptx_nibble_f32("u", "$4", 8 * b + 4)
+        lines += [f"mul.rn.f32 t, ${5 + b}, t;", f"fma.rn.f32 ${b}, ${9 + b}, u, t;"]
     lines.append("}")
     return "\n".join(lines)
 
@@ -181,8 +173,6 @@ def int4_gemv(x, kcodes, scales, mins=None, *, group_size: int, block_n: int = 2
     `min_programs` programs; xsum: "outside" | "inside" (where X = sum of x per group is computed); prefetch: load
     the next step's tiles before this step's math (the loop carries them); scales_nk: scales/mins come K-major,
     [N, K/g] (loaded as columns, no transpose in the kernel)."""
-    from .int4_matmul import split_plan
-
     m, k = x.shape
     n, kh = kcodes.shape
     g = group_size

@@ -77,13 +77,14 @@ def split_plan(n_tiles: int, programs: int, split_k: int | None, min_programs: i
 # ---------------------------------------------------------------------------------------------------------------
 
 _F32_ONE = 0x3F800000
+_MASK = 0x00780000  # the 4 mantissa bits below 1.0's exponent: (q << 19) & _MASK | 1.0 == 1 + q / 16
 
 
 def _decode_f32(c, s_lo, s_hi, m_lo, m_hi):
     """uint8 tile [bk, bn] + scales/mins (float32, [1, bn] or [bk, bn]) -> (W_lo, W_hi) float32 [bk, bn]."""
     c32 = c.astype(jnp.uint32)
-    f_lo = lax.bitcast_convert_type(((c32 << 19) & 0x00780000) | _F32_ONE, jnp.float32)  # 1 + q_lo / 16
-    f_hi = lax.bitcast_convert_type(((c32 << 15) & 0x00780000) | _F32_ONE, jnp.float32)  # 1 + q_hi / 16
+    f_lo = lax.bitcast_convert_type(((c32 << 19) & _MASK) | _F32_ONE, jnp.float32)  # 1 + q_lo / 16
+    f_hi = lax.bitcast_convert_type(((c32 << 15) & _MASK) | _F32_ONE, jnp.float32)  # 1 + q_hi / 16
     a_lo, a_hi = 16.0 * s_lo, 16.0 * s_hi
     if m_lo is None:  # s * (q - 8) = 16 s f - 24 s
         b_lo, b_hi = -24.0 * s_lo, -24.0 * s_hi
@@ -144,29 +145,28 @@ def _decode_asm_emulated(c, s_lo, s_hi, m_lo, m_hi):
     return (q_lo * r(s_lo) + r(m_lo)).astype(jnp.bfloat16), (q_hi * r(s_hi) + r(m_hi)).astype(jnp.bfloat16)
 
 
+def ptx_nibble_f32(reg: str, word: str, bit: int) -> list[str]:
+    """PTX lines: `reg` = float32 1 + q / 16 for the nibble q at `bit` of `word` (shift it to bit 19, then one lop3
+    keeps those 4 bits and ORs in 1.0's exponent: no int -> float convert)."""
+    d = 19 - bit
+    shift = f"shl.b32 {reg}, {word}, {d};" if d >= 0 else f"shr.b32 {reg}, {word}, {-d};"
+    return [shift, f"lop3.b32 {reg}, {reg}, {_MASK:#010x}, {_F32_ONE:#010x}, 0xEA;"]
+
+
 def _asm_fma() -> str:
     """Fused decode + multiply-accumulate for mode "fma" (float32, 4 instructions per weight): per byte b of the
     word $4, acc_b = $(29+b) + x_lo (a_lo f_lo + b_lo) + x_hi (a_hi f_hi + b_hi) with f = 1 + q/16 made by a shift
     and a lop3 (1.0's exponent ORed in), x_lo = $(5+b), x_hi = $(9+b), a_lo/b_lo = $(13+b)/$(17+b), a_hi/b_hi =
     $(21+b)/$(25+b); the result goes to $b.  Why: Pallas-Triton emits the jnp version as a widening, separate
     FMUL and FADD, ~6.8 instructions per weight (ncu, benchmarks/RESULTS.md "Round 4")."""
-    def shift(reg, bit):
-        d = 19 - bit
-        return f"shl.b32 {reg}, $4, {d};" if d >= 0 else f"shr.b32 {reg}, $4, {-d};"
-
     lines = ["{", ".reg .b32 t, u;"]
     for b in range(4):
-        lines += [
-            shift("t", 8 * b), f"lop3.b32 t, t, {_MASK:#010x}, {_F32_ONE:#010x}, 0xEA;",
-            shift("u", 8 * b + 4), f"lop3.b32 u, u, {_MASK:#010x}, {_F32_ONE:#010x}, 0xEA;",
+        lines += ptx_nibble_f32("t", "$4", 8 * b) + ptx_nibble_f32("u", "$4", 8 * b + 4) + [
             f"fma.rn.f32 t, t, ${13 + b}, ${17 + b};", f"fma.rn.f32 u, u, ${21 + b}, ${25 + b};",
             f"fma.rn.f32 ${b}, ${5 + b}, t, ${29 + b};", f"fma.rn.f32 ${b}, ${9 + b}, u, ${b};",
         ]
     lines.append("}")
     return "\n".join(lines)
-
-
-_MASK = 0x00780000  # the 4 mantissa bits below 1.0's exponent: (q << 19) & _MASK | 1.0 == 1 + q / 16
 
 
 def _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc):
