@@ -11,7 +11,7 @@ and Llama-3-8B, int4 group 128. Also counts the kernels one compiled decode step
     python benchmarks/bench_decode.py --models smollm2-135m --batches 1 --profile   # + per-kernel GPU time/step
 --profile runs each timed loop once more under the JAX profiler and adds, per row, GPU kernels by name and by coarse
 category (launches/step, us/step) with GPU-busy vs GPU-span vs wall time per step (the gaps between kernels).
-Writes $OUT/bench_decode.json (or ./bench_decode.json) and prints a table last.
+Writes $OUT/bench_decode.json (without $OUT: a new temporary folder, named in the output) and prints a table last.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -196,7 +197,7 @@ def main():
     dtype = "bfloat16" if backend == "gpu" else "float32"
     if args.small:
         args.models, args.batches, args.ctx, args.tokens, args.reps = "tiny", "1,4", 64, 16, 2
-    out_dir = os.environ.get("OUT", ".")
+    out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench_decode_")  # never the repo (cwd)
     results = {"device": str(jax.devices()[0]), "backend": backend, "jax": jax.__version__,
                "date": time.strftime("%Y-%m-%d"), "rows": []}
     bw = copy_bandwidth(256 << 20 if args.small else 4 << 30)
@@ -239,7 +240,8 @@ def main():
                 with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
                     json.dump(results, f, indent=1)
         del weights
-    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s; {results['device']}; jax {jax.__version__}")
+    print(f"\nresults: {os.path.join(out_dir, 'bench_decode.json')}")
+    print(f"copy bandwidth {bw / 1e9:.0f} GB/s; {results['device']}; jax {jax.__version__}")
     print(f"{'model':14} {'kernels':40} {'B':>3} {'ms/step':>8} {'tok/s':>9} {'MB/step':>8} {'%bw':>5} {'launch':>6}")
     for r in results["rows"]:
         if "error" in r:
