@@ -5,8 +5,10 @@
         python3 benchmarks/ncu_int4.py gate_up:g32a:1 'o:g128s:1:{"block_k": 64}'
 
 Each case is `shape:quant:M[:json knobs]` (shapes and quants of bench_kernels.py; knobs override the registered
-default config; {"gemv": true, ...} runs the K-major GEMV of pallas_kernels/int4_gemv.py instead).  Why a separate script: ncu replays each kernel dozens of times, so the timed benchmark can't run
-under it; this one only compiles each case and launches it `--reps` times, nothing else on the GPU in between.
+default config; {"gemv": true, ...} runs the K-major GEMV of pallas_kernels/int4_gemv.py instead).  Why a separate
+script: ncu replays each kernel dozens of times, so the timed benchmark can't run under it; this one only compiles
+each case and launches it `--reps` times, nothing else on the GPU in between.  Run it after any other GPU job, with
+XLA_PYTHON_CLIENT_PREALLOCATE=false (an ncu child that outlived its run once left the GPU full for the next one).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ at 25% occupancy (127 registers).  Here a thread holds 16 consecutive bytes of O
     s (16 P - 24 X) (sym), P = sum x f, X = sum x over the group.
 Grid (N / block_n, split_k); a program owns block_n columns and a range of whole groups, `groups_per_step` of them
 per loop step (separate loads, all in flight); split-K partials are summed by XLA.  Each row of x redoes the decode
-(M = 1 is the intended use: M = 4 measured 1.6-2.8x slower than int4_matmul).  X: computed per call outside the kernel ("outside": one small XLA reduction) or
-from the loaded x vectors ("inside").  In interpret mode (CPU) the asm is replaced by the same arithmetic in jnp.
+(M = 1 is the intended use: M = 4 measured 1.6-2.8x slower than int4_matmul).  X: computed per call outside the
+kernel ("outside": one small XLA reduction) or from the loaded x vectors ("inside").  In interpret mode (CPU) the
+asm is replaced by the same arithmetic in jnp (`tests/test_asm_text.py` runs the asm text itself on the CPU).
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def gemv_default_config(m: int, k: int, n: int, group_size: int) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "block_n", "groups_per_step", "split_k", "num_warps",
-                                             "num_stages", "min_programs", "xsum", "prefetch", "scales_nk", "interpret"))
+                                             "num_stages", "min_programs", "xsum", "prefetch", "scales_nk",
+                                             "interpret"))
 def int4_gemv(x, kcodes, scales, mins=None, *, group_size: int, block_n: int = 256, groups_per_step: int = 2,
               split_k: int | None = None, num_warps: int = 4, num_stages: int = 3, min_programs: int = 1056,
               xsum: str = "outside", prefetch: bool = True, scales_nk: bool = False,

@@ -17,6 +17,8 @@ Weight decode ("dequant") variants, `decode=`:
   * "asm":  (GPU, bf16 x only) PTX inline asm: one 32-bit word of 4 packed bytes -> 8 bf16 weights with
             prmt / lop3 (bf16 magic 0x4300 | q == 128 + q), an exact bf16x2 subtract, and one bf16x2 fma/mul
             with the scale (and min): about 2 instructions per weight instead of about 4.
+  * "asm_fma": (GPU, mode "fma" only) one PTX inline asm per 4 bytes does the f32 decode, the scale/min and the
+            multiply-accumulate with fused FMAs: 4 instructions per weight (experimental: see `_asm_fma`).
 Accumulation variants, `mode=`:
   * "dot":  block_m rows of x (padded to >= 16) times the decoded tile on the tensor cores (any M).
   * "dot_t": the same product transposed, W^T [bn, bk] @ x^T [bk, bm]: the weight tile is the dot's M side.
@@ -28,8 +30,6 @@ broadcasts them to [block_k, block_n] in registers; "gather" loads [block_k, blo
 pipelined through shared memory, which overflows).  With no masks when block_n divides N.
 Split-K reduction (`reduce=`): "xla" writes float32 partials [split_k, M, N] summed by XLA; "atomic" atomically adds
 into one zeroed float32 [M, N] buffer (then one cast).  Tuned configs: see `default_config` / `tuned_config`.
-  * "asm_fma": (GPU, mode "fma" only) one PTX inline asm per 4 bytes does the f32 decode, the scale/min and the
-            multiply-accumulate with fused FMAs: 4 instructions per weight (experimental: see `_asm_fma`).
 In interpret mode (CPU) "asm" is replaced by the plain-jnp decode (same function up to bf16 rounding), and
 "asm_fma" (or "asm_fma" with another mode) by "f32", the same float32 arithmetic.
 """
@@ -85,12 +85,14 @@ def _decode_f32(c, s_lo, s_hi, m_lo, m_hi):
     c32 = c.astype(jnp.uint32)
     f_lo = lax.bitcast_convert_type(((c32 << 19) & _MASK) | _F32_ONE, jnp.float32)  # 1 + q_lo / 16
     f_hi = lax.bitcast_convert_type(((c32 << 15) & _MASK) | _F32_ONE, jnp.float32)  # 1 + q_hi / 16
-    a_lo, a_hi = 16.0 * s_lo, 16.0 * s_hi
-    if m_lo is None:  # s * (q - 8) = 16 s f - 24 s
-        b_lo, b_hi = -24.0 * s_lo, -24.0 * s_hi
-    else:  # s * q + m = 16 s f + (m - 16 s)
-        b_lo, b_hi = m_lo - a_lo, m_hi - a_hi
+    (a_lo, b_lo), (a_hi, b_hi) = _affine(s_lo, m_lo), _affine(s_hi, m_hi)
     return f_lo * a_lo + b_lo, f_hi * a_hi + b_hi
+
+
+def _affine(s, m):
+    """(a, b) with W = a f + b for f = 1 + q / 16:  s (q - 8) = 16 s f - 24 s;  s q + m = 16 s f + (m - 16 s)."""
+    a = 16.0 * s
+    return a, (-24.0 * s if m is None else m - a)
 
 
 # One 32-bit register ($3 / $2) holds 4 packed code bytes (4 consecutive elements of the tile); the output holds 4
@@ -172,11 +174,7 @@ def _asm_fma() -> str:
 def _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc):
     """acc [bk, bn] + x_lo W_lo + x_hi W_hi through `_asm_fma` (scales/mins float32 [1, bn] or [bk, bn])."""
     shape = c.shape
-    a_lo, a_hi = 16.0 * s_lo, 16.0 * s_hi
-    if m_lo is None:
-        b_lo, b_hi = -24.0 * s_lo, -24.0 * s_hi
-    else:
-        b_lo, b_hi = m_lo - a_lo, m_hi - a_hi
+    (a_lo, b_lo), (a_hi, b_hi) = _affine(s_lo, m_lo), _affine(s_hi, m_hi)
     bc = lambda v: jnp.broadcast_to(v, shape)  # noqa: E731
     args = [c, bc(x_lo[:, None]), bc(x_hi[:, None]), bc(a_lo), bc(b_lo), bc(a_hi), bc(b_hi), acc]
     (out,) = plgpu.elementwise_inline_asm(
@@ -390,9 +388,10 @@ def int4_matmul(
 
     block_k: byte rows per loop step (a power of two dividing K/2; a divisor or a multiple of group_size);
     split_k: K splits (None: enough programs to fill the chip, `min_programs` of them); decode: "f32" | "asm" (GPU,
-    bf16) | "asm_fma" (GPU, mode "fma"); mode: "dot" | "dot_t" (W^T x^T: the weight tile is the dot's M side) | "fma" | "fma_r" (M == 1 only;
-    "fma_r" reduces over K every step into a [1, block_n] accumulator); scales_mode (block_k > g only): "tile"
-    (one [block_k/g, block_n] scale load per step, broadcast in registers) | "gather" (per-row gathered loads);
+    bf16) | "asm_fma" (GPU, mode "fma"); mode: "dot" | "dot_t" (W^T x^T: the weight tile is the dot's M side) |
+    "fma" | "fma_r" (M == 1 only; "fma_r" reduces over K every step into a [1, block_n] accumulator); scales_mode
+    (block_k > g only): "tile" (one [block_k/g, block_n] scale load per step, broadcast in registers) | "gather"
+    (per-row gathered loads);
     reduce (split_k > 1): "xla" (float32 partials [split_k, M, N] summed by XLA) | "atomic" (float32 atomic adds
     into one zeroed [M, N] buffer, then one cast)."""
     m, k = x.shape
