@@ -5,8 +5,8 @@
 
 At Llama-3-8B layer shapes, g32 asymmetric and g128 symmetric: copy bandwidth first, then for each case the
 registered `qmatmul` Pallas kernel (`int4_matmul`, tuned table), its fused asm decode + FMA variants (`MM_VARIANTS`,
-M = 1) and each GEMV variant, µs of GPU kernel time (JAX
-profiler, split-K combine included) over input sets larger than L2, checked against the float32 reference first.
+M = 1) and each GEMV variant, µs of GPU kernel time (JAX profiler, split-K combine included) over input sets larger
+than L2, checked against the float32 reference first.
 Writes $OUT/bench_gemv.json; a short table prints last.
 """
 
@@ -94,22 +94,22 @@ def main():
                 w0 = bk.rand_quant(jax.random.PRNGKey(1), k, n, g, sym)
                 nb = bk.qbytes(w0, m, k, n)
                 qsets = bk.make_q_sets(k, n, g, sym, m, bk.n_sets(nb))
+                gemv_names = [] if args.no_gemv else names if m == 1 else names[:2]
                 ksets = [(x, gv.repack_kmajor(w.codes, g), w.scales, w.mins, w.scales.T.copy(),
-                          None if w.mins is None else w.mins.T.copy()) for x, w in qsets]
+                          None if w.mins is None else w.mins.T.copy()) for x, w in qsets] if gemv_names else []
                 row = {"shape": sname, "quant": qname, "M": m, "bytes": nb}
-                impls = [("int4_matmul", lambda x, w: mm.qmatmul_pallas(x, w, interpret=False), qsets)]
+                impls = [("int4_matmul", mm_fn({}), qsets)]
                 if m == 1 and args.mm_variants:
                     impls += [(f"mm_{vn}", mm_fn(kn), qsets) for vn, kn in MM_VARIANTS.items()]
-                for vn in ([] if args.no_gemv else names if m == 1 else names[:2]):
+                for vn in gemv_names:
                     f = gemv_fn(VARIANTS[vn])
                     impls.append((f"gemv_{vn}", lambda *a, f=f, g=g: f(*a, g), ksets))
+                x, w = qsets[0]
+                ref = mm.int4_matmul_reference(x.astype(jnp.float32), w.codes, w.scales, w.mins, group_size=g)
                 for name, fn, sets in impls:
                     if time.time() - t0 > args.budget:
                         break
                     try:
-                        x, w = qsets[0]
-                        ref = mm.int4_matmul_reference(x.astype(jnp.float32), w.codes, w.scales, w.mins,
-                                                       group_size=g)
                         row[f"{name}_err"] = bk.rel_err(jax.jit(fn)(*sets[0]), ref)
                         t = bk.time_sets(fn, sets)
                         row[f"{name}_us"] = round(t * 1e6, 2)

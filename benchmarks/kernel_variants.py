@@ -48,7 +48,7 @@ def _asm_fma(x, w):
     """M = 1: int4_matmul's fused asm decode + FMA (mode fma, block 128 x 64); other M: the registered kernel."""
     if x.shape[0] != 1 or _small(w) or (x.shape[-1] // 2) % w.group_size:
         return qmatmul_pallas_op(x, w)
-    return qmatmul_pallas(x, w, mode="fma", decode="asm_fma", block_k=min(128, x.shape[-1] // 2), block_n=64)
+    return qmatmul_pallas(x, w, mode="fma", decode="asm_fma", block_k=128, block_n=64)  # block_k halves to fit K
 
 
 # decode="asm_fma" (4 instructions per weight instead of 5.4-6.8) for the big weights at M = 1; not yet timed

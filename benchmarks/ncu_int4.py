@@ -8,7 +8,7 @@ Each case is `shape:quant:M[:json knobs]` (shapes and quants of bench_kernels.py
 default config; {"gemv": true, ...} runs the K-major GEMV of pallas_kernels/int4_gemv.py instead).  Why a separate
 script: ncu replays each kernel dozens of times, so the timed benchmark can't run under it; this one only compiles
 each case and launches it `--reps` times, nothing else on the GPU in between.  Run it after any other GPU job, with
-XLA_PYTHON_CLIENT_PREALLOCATE=false (an ncu child that outlived its run once left the GPU full for the next one).
+XLA_PYTHON_CLIENT_PREALLOCATE=false (once, a job started after ncu runs failed with CUDA out of memory).
 """
 
 from __future__ import annotations
