@@ -4,7 +4,8 @@
 # the peer sections in the time left.
 # Usage on the device machine (repo root, .peers carried):  BUDGET=570 bash benchmarks/gpu_all.sh
 # KERNEL_SECONDS=0 skips the kernel step; DECODE_ARGS / PEER_SECTIONS / PEER_SECONDS adjust the others;
-# GPU_TESTS=0 skips the `gpu`-marked pytest run that comes first; GEMV_SECONDS=N adds benchmarks/bench_gemv.py;
+# KERNEL_SECTIONS picks bench_kernels' sections; GPU_TESTS=0 skips the `gpu`-marked pytest run that comes first;
+# GEMV_SECONDS=N adds benchmarks/bench_gemv.py;
 # DECODE=0 skips the decode benchmark and the peers (e.g. a first call of tests + kernels, a second of decode + peers).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -15,8 +16,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 F="warn\|donat\|deprecat"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "${GPU_TESTS:-1}" = 1 ]; then  # the `gpu`-marked tests: compiled kernels against their references
-  timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_pallas_kernels.py \
-    tests/test_int4_gemv.py 2>&1 | tail -15 > "$OUT/gpu_tests.log"
+  timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_pallas_kernels.py \
+    tests/test_int4_gemv.py > "$OUT/gpu_tests.log" 2>&1
 fi
 if [ "${GEMV_SECONDS:-0}" -gt 0 ]; then  # int4_matmul's asm_fma variants and the K-major GEMV at M = 1
   timeout $(( GEMV_SECONDS + 30 )) python3 benchmarks/bench_gemv.py --ms 1 --budget "$GEMV_SECONDS" ${GEMV_ARGS:-} \
@@ -24,7 +25,8 @@ if [ "${GEMV_SECONDS:-0}" -gt 0 ]; then  # int4_matmul's asm_fma variants and th
 fi
 KS=${KERNEL_SECONDS:-200}
 if [ "$KS" -gt 0 ]; then
-  timeout $(( KS + 20 )) python3 benchmarks/bench_kernels.py --sections copy,qmatmul,q8,decode,prefill --budget "$KS" \
+  timeout $(( KS + 20 )) python3 benchmarks/bench_kernels.py --sections "${KERNEL_SECTIONS:-copy,qmatmul,q8,decode,prefill}" \
+    --budget "$KS" \
     2>&1 | grep -v -i "$F" > "$OUT/kernels.log"
 fi
 if [ "${DECODE:-1}" = 1 ]; then

@@ -20,7 +20,7 @@ Weight decode ("dequant") variants, `decode=`:
   * "asm_fma": (GPU, mode "fma" only) one PTX inline asm per 4 bytes does the f32 decode, the scale/min and the
             multiply-accumulate with fused FMAs: 4 instructions per weight (experimental: see `_asm_fma`).
 Accumulation variants, `mode=`:
-  * "dot":  block_m rows of x (padded to >= 16) times the decoded tile on the tensor cores (any M).
+  * "dot":  block_m >= 16 rows of x (rows past M masked, not padded) times the decoded tile on the tensor cores.
   * "dot_t": the same product transposed, W^T [bn, bk] @ x^T [bk, bm]: the weight tile is the dot's M side.
   * "fma":  M == 1 only: elementwise x[k] * W[k, n] into a [block_k, block_n] float32 accumulator, one reduction at
             the end (no tensor cores, no layout conversion).
@@ -190,7 +190,7 @@ def _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc):
 
 
 def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode, decode, has_mins, out_partial,
-            scales_mode="tile", reduce="xla"):
+            scales_mode="tile", reduce="xla", m_rows=None):
     if reduce == "atomic" and out_partial:  # last input: the zeroed float32 output it aliases (unused here)
         refs = refs[:-2] + refs[-1:]
     if has_mins:
@@ -210,6 +210,13 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
     t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
     m0 = pid_m * bm
     cdt = jnp.bfloat16 if decode == "asm" else x_ref.dtype
+    # x is not padded to a multiple of bm (a pad and a slice would be two more kernels per call): rows >= M read 0
+    rmask = (m0 + jnp.arange(bm)) < m_rows if m_rows is not None and m_rows % bm else None
+
+    def load_x(c0):
+        if rmask is None:
+            return x_ref[pl.ds(m0, bm), pl.ds(c0, bk)].astype(cdt)
+        return plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(c0, bk)], mask=rmask[:, None], other=0).astype(cdt)
 
     if bk <= g:  # one scale row per half and tile: [1, bn] loads
 
@@ -262,8 +269,7 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
             w_lo, w_hi = w_lo.astype(jnp.float32), w_hi.astype(jnp.float32)
             p = x_lo[:, None] * w_lo + x_hi[:, None] * w_hi
             return acc + (jnp.sum(p, axis=0)[None, :] if mode == "fma_r" else p)
-        x_lo = x_ref[pl.ds(m0, bm), pl.ds(r0, bk)].astype(cdt)
-        x_hi = x_ref[pl.ds(m0, bm), pl.ds(k_half + r0, bk)].astype(cdt)
+        x_lo, x_hi = load_x(r0), load_x(k_half + r0)
         if mode == "dot_t":  # W^T [bn, bk] @ x^T [bk, bm]: the weight tile is the (large) M-side operand
             dn = (((0,), (1,)), ((), ()))
             acc = acc + lax.dot_general(w_lo.astype(cdt), x_lo, dn, preferred_element_type=jnp.float32)
@@ -280,7 +286,9 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
         res = lax.fori_loop(t0, t1, body, jnp.zeros((bn, bm), jnp.float32)).T
     else:
         res = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), jnp.float32))
-    if out_partial and reduce == "atomic":  # float32 [mp, n_blocks * bn] output, zeroed by the caller: no mask
+    if rmask is not None:  # rows past M are not stored (the output has exactly M rows)
+        sm = dict(mask=rmask[:, None] & cmask[None, :] if ragged else jnp.broadcast_to(rmask[:, None], (bm, bn)))
+    if out_partial and reduce == "atomic":  # float32 [m_blocks * bm, n_blocks * bn], zeroed by the caller: no mask
         plgpu.atomic_add(o_ref, (pl.ds(m0, bm), pl.ds(n0, bn)), res)
     elif out_partial:
         plgpu.store(o_ref.at[pid_k, pl.ds(m0, bm), pl.ds(n0, bn)], res, **sm)
@@ -413,11 +421,9 @@ def int4_matmul(
     else:
         bm = block_m or 16
         bm = max(16, min(bm, 1 << max(4, (m - 1).bit_length())))
-    mp = _cdiv(m, bm) * bm
-    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
     bn = block_n
     n_blocks = _cdiv(n, bn)
-    m_blocks = mp // bm
+    m_blocks = _cdiv(m, bm)
     n_tiles = k_half // block_k
     split_k, tiles_per_split = split_plan(n_tiles, n_blocks * m_blocks, split_k, min_programs)
     out_partial = split_k > 1
@@ -425,15 +431,15 @@ def int4_matmul(
     kern = functools.partial(
         _kernel, k_half=k_half, g=g, bm=bm, bn=bn, bk=block_k, n_cols=n, tiles_per_split=tiles_per_split,
         n_tiles=n_tiles, mode=mode, decode=decode, has_mins=mins is not None, out_partial=out_partial,
-        scales_mode=scales_mode, reduce=reduce,
+        scales_mode=scales_mode, reduce=reduce, m_rows=m,
     )
     if atomic:
-        out_shape = jax.ShapeDtypeStruct((mp, n_blocks * bn), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((m_blocks * bm, n_blocks * bn), jnp.float32)
     elif out_partial:
-        out_shape = jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32)
+        out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
     else:
-        out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
-    args = [xp, codes, scales] + ([mins] if mins is not None else [])
+        out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
+    args = [x, codes, scales] + ([mins] if mins is not None else [])
     aliases = {}
     if atomic:
         aliases = {len(args): 0}
@@ -448,10 +454,10 @@ def int4_matmul(
         name="int4_matmul",
     )(*args)
     if atomic:
-        out = out[:, :n]
+        out = out[:m, :n]
     elif out_partial:
         out = jnp.sum(out, axis=0)
-    return out[:m].astype(x.dtype)
+    return out.astype(x.dtype)
 
 
 def int4_matmul_reference(x, codes, scales, mins=None, *, group_size: int):

@@ -8,7 +8,8 @@ The int8 codes are exact in bf16, so each group of `g` rows is one tensor-core d
 group's scale multiplies the [M, block_n] partial product: one convert per weight, no per-weight scale multiply.
 
 Grid (N / block_n, split_k, M / block_m).  A program owns `block_n` columns and a contiguous range of K tiles of
-`block_k` rows (a multiple of g: block_k / g dots per step).  x is padded to >= 16 rows (tensor-core tile).
+`block_k` rows (a multiple of g: block_k / g dots per step).  A block holds >= 16 rows of x (tensor-core
+tile); rows past M are masked on load and store, never padded in memory.
 Split-K partials (float32 [split_k, M, N]) are summed by XLA; with enough column blocks there is no split at all.
 """
 
@@ -31,7 +32,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(x_ref, c_ref, s_ref, o_ref, *, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, out_partial):
+def _kernel(x_ref, c_ref, s_ref, o_ref, *, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, out_partial, m_rows):
     pid_n, pid_k, pid_m = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     n0 = pid_n * bn
     m0 = pid_m * bm
@@ -40,6 +41,7 @@ def _kernel(x_ref, c_ref, s_ref, o_ref, *, g, bm, bn, bk, n_cols, tiles_per_spli
     lm = dict(mask=cmask[None, :], other=0) if ragged else {}
     sm = dict(mask=cmask[None, :]) if ragged else {}
     cdt = x_ref.dtype
+    rmask = (m0 + jnp.arange(bm)) < m_rows if m_rows % bm else None  # x is not padded: rows >= M read 0
     t0 = pid_k * tiles_per_split
     t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
 
@@ -49,11 +51,16 @@ def _kernel(x_ref, c_ref, s_ref, o_ref, *, g, bm, bn, bk, n_cols, tiles_per_spli
             rg = r0 + j * g
             c = plgpu.load(c_ref.at[pl.ds(rg, g), pl.ds(n0, bn)], **lm)
             s = plgpu.load(s_ref.at[pl.ds(rg // g, 1), pl.ds(n0, bn)], **lm).astype(jnp.float32)
-            xs = x_ref[pl.ds(m0, bm), pl.ds(rg, g)]
+            if rmask is None:
+                xs = x_ref[pl.ds(m0, bm), pl.ds(rg, g)]
+            else:
+                xs = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(rg, g)], mask=rmask[:, None], other=0)
             acc = acc + jnp.dot(xs, c.astype(cdt), preferred_element_type=jnp.float32) * s
         return acc
 
     res = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), jnp.float32))
+    if rmask is not None:  # the output has exactly M rows
+        sm = dict(mask=rmask[:, None] & cmask[None, :] if ragged else jnp.broadcast_to(rmask[:, None], (bm, bn)))
     if out_partial:
         plgpu.store(o_ref.at[pid_k, pl.ds(m0, bm), pl.ds(n0, bn)], res, **sm)
     else:
@@ -87,17 +94,15 @@ def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None
     assert k == kc and k % g == 0 and g >= 16, (x.shape, codes.shape, g)
     assert block_k % g == 0 and k % block_k == 0, (k, g, block_k)
     bm = max(16, min(block_m or 16, 1 << max(4, (m - 1).bit_length())))
-    mp = _cdiv(m, bm) * bm
-    xp = x if mp == m else jnp.pad(x, ((0, mp - m), (0, 0)))
     bn = block_n
-    n_blocks, m_blocks = _cdiv(n, bn), mp // bm
+    n_blocks, m_blocks = _cdiv(n, bn), _cdiv(m, bm)
     n_tiles = k // block_k
     split_k, tiles_per_split = split_plan(n_tiles, n_blocks * m_blocks, split_k, min_programs)
     out_partial = split_k > 1
-    out_shape = (jax.ShapeDtypeStruct((split_k, mp, n), jnp.float32) if out_partial
-                 else jax.ShapeDtypeStruct((mp, n), x.dtype))
+    out_shape = (jax.ShapeDtypeStruct((split_k, m, n), jnp.float32) if out_partial
+                 else jax.ShapeDtypeStruct((m, n), x.dtype))
     kern = functools.partial(_kernel, g=g, bm=bm, bn=bn, bk=block_k, n_cols=n, tiles_per_split=tiles_per_split,
-                             n_tiles=n_tiles, out_partial=out_partial)
+                             n_tiles=n_tiles, out_partial=out_partial, m_rows=m)
     out = pl.pallas_call(
         kern,
         out_shape=out_shape,
@@ -105,10 +110,10 @@ def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="int8_matmul",
-    )(xp, codes, scales)
+    )(x, codes, scales)
     if out_partial:
         out = jnp.sum(out, axis=0)
-    return out[:m].astype(x.dtype)
+    return out.astype(x.dtype)
 
 
 def int8_matmul_reference(x, codes, scales, *, group_size: int):

@@ -250,6 +250,37 @@ def test_int8_matmul_registered_and_linear():
 
 
 # ------------------------------------------------------------------------------------------------ GPU (compiled)
+# Knob sets the `gpu` tests compile; each also runs here in interpret mode (small shapes) so that a combination the
+# wrapper rejects (e.g. a block_k that does not divide K) fails in CI, not on the device.
+QMATMUL_GPU_KNOBS = [
+    dict(decode="f32"), dict(decode="asm"),
+    dict(decode="asm", block_k=128, block_n=64, reduce="atomic"),
+    dict(decode="asm", mode="dot_t", block_k=128, block_n=64),
+    dict(decode="asm", mode="fma_r", block_k=64, block_n=128, num_warps=8),
+    dict(decode="asm", mode="fma", block_k=128, block_n=64),
+    dict(mode="fma", decode="asm_fma", block_k=128, block_n=64),
+    dict(mode="fma", decode="asm_fma", block_k=32, block_n=128, split_k=1 << 12),
+]
+Q8_GPU_KNOBS = [dict(block_k=32, block_n=256, num_warps=8), dict(block_k=64, block_n=64, split_k=3)]  # K = 576 = 9 * 64
+
+
+@pytest.mark.parametrize("g,sym", [(32, False), (128, True)])
+def test_gpu_knob_sets_in_interpret_mode(g, sym):
+    rng = np.random.default_rng(g)
+    w = rand_quant(rng, 256, 200, g, sym)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
+    for kw in QMATMUL_GPU_KNOBS:
+        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=True, **kw)
+        assert rel(y, ref) < TOL[jnp.bfloat16], kw
+    w8 = rand_int8(rng, 576, 200, 32)
+    x8 = jnp.asarray(rng.standard_normal((3, 576)), jnp.bfloat16)
+    ref8 = int8_matmul_reference(x8, w8.codes, w8.scales, group_size=32)
+    for kw in Q8_GPU_KNOBS:
+        y = int8_matmul(x8, w8.codes, w8.scales, group_size=32, interpret=True, **kw)
+        assert rel(y, ref8) < TOL[jnp.bfloat16], kw
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
@@ -262,14 +293,8 @@ def test_gpu_qmatmul(m, g, sym):
     y = ops.get("qmatmul", "pallas")(x, w)
     ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
     assert rel(y, ref) < TOL[jnp.bfloat16]
-    for decode in ("f32", "asm"):
-        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode=decode)
-        assert rel(y, ref) < TOL[jnp.bfloat16]
-    for kw in (dict(block_k=128, block_n=64, reduce="atomic"), dict(mode="dot_t", block_k=128, block_n=64),
-               dict(mode="fma_r", block_k=64, block_n=128, num_warps=8), dict(mode="fma", block_k=128, block_n=64),
-               dict(mode="fma", decode="asm_fma", block_k=128, block_n=64),
-               dict(mode="fma", decode="asm_fma", block_k=32, block_n=128, split_k=1 << 12)):
-        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, decode="asm", **kw)
+    for kw in QMATMUL_GPU_KNOBS:
+        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, **kw)
         assert rel(y, ref) < TOL[jnp.bfloat16], kw
 
 
@@ -282,7 +307,7 @@ def test_gpu_int8_matmul(m):
     x = jnp.asarray(rng.standard_normal((m, 576)), jnp.bfloat16)
     ref = int8_matmul_reference(x, w.codes, w.scales, group_size=32)
     assert rel(ops.get("qmatmul8", "pallas")(x, w), ref) < TOL[jnp.bfloat16]
-    for kw in (dict(block_k=32, block_n=256, num_warps=8), dict(block_k=128, block_n=64, split_k=3)):
+    for kw in Q8_GPU_KNOBS:
         assert rel(int8_matmul(x, w.codes, w.scales, group_size=32, **kw), ref) < TOL[jnp.bfloat16], kw
 
 
