@@ -51,5 +51,6 @@ def _asm_fma(x, w):
     return qmatmul_pallas(x, w, mode="fma", decode="asm_fma", block_k=128, block_n=64)  # block_k halves to fit K
 
 
-# decode="asm_fma" (4 instructions per weight instead of 5.4-6.8) for the big weights at M = 1; not yet timed
+# decode="asm_fma" (4 instructions per weight instead of 5.4-6.8) for every big weight at M = 1 (H200: won only on
+# down g128, where the tuned table now uses it; benchmarks/RESULTS.md, "Round 5")
 ops.register("qmatmul", "pallas_asmfma")(_asm_fma)
