@@ -17,6 +17,7 @@ Writes $OUT/bench_decode.json (without $OUT: a new temporary folder, named in th
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -156,7 +157,8 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
         weights.embed.scales.nbytes if weights.embed.scales is not None else 0) + batch * cfg.dim * 3
     r = dict(model=name, kernels=kernels.describe(), batch=batch, ctx=ctx, ms_per_step=dt * 1e3,
              tok_s=batch / dt, step_bytes=w_bytes + kv_bytes, weight_bytes=w_bytes, kv_bytes=kv_bytes,
-             kernels_per_step=n_kernels, compile_s=compile_s)
+             kernels_per_step=n_kernels, compile_s=compile_s,
+             tokens_sha=hashlib.sha1(np.asarray(bufs.tokens).tobytes()).hexdigest()[:12])  # same tokens <=> same math
     if profile:  # the same compiled loop once more, under the profiler
         try:
             cache = init_cache(cfg, batch, s).replace(lengths=jnp.full((batch,), ctx, jnp.int32))
