@@ -152,7 +152,8 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
         ts.append(time.perf_counter() - t)
     assert int(jnp.min(count)) == n_tokens
     dt = float(np.median(ts)) / (n_tokens - 1)  # the loop decodes n_tokens - 1 steps after the first token
-    kv_bytes = 2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.head_dim * (ctx + n_tokens // 2) * jnp.dtype(cfg.dtype).itemsize
+    kv_bytes = (2 * cfg.n_layers * batch * cfg.n_kv_heads * cfg.head_dim * (ctx + n_tokens // 2)
+                * jnp.dtype(cfg.dtype).itemsize)
     w_bytes = weight_nbytes(weights) - weights.embed.table.nbytes - (
         weights.embed.scales.nbytes if weights.embed.scales is not None else 0) + batch * cfg.dim * 3
     r = dict(model=name, kernels=kernels.describe(), batch=batch, ctx=ctx, ms_per_step=dt * 1e3,

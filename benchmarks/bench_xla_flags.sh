@@ -3,7 +3,8 @@
 # reads its flags once, at start-up). Why: a 135M model's step is ~470 small kernels, so how XLA launches them (CUDA
 # graphs, "command buffers", and which op types go into them) may matter as much as the kernels themselves.
 # tokens_sha in each row must agree across settings: the flags change how kernels are launched, never the math.
-# Usage on the device machine (repo root):  ARGS="--models smollm2-135m --batches 1,32" bash benchmarks/bench_xla_flags.sh
+# Usage on the device machine (repo root):
+#   ARGS="--models smollm2-135m --batches 1,32" bash benchmarks/bench_xla_flags.sh
 # SETTINGS="0 2" runs only those settings (indices into NAMES); TAG names this run's files.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -29,6 +30,10 @@ try:
 except Exception as e:
     print(f"{sys.argv[2]:16} failed: {type(e).__name__}: {e}"[:100]); sys.exit()
 for r in rows:
-    print(f"{sys.argv[2]:16} {r['model']:14} {r['batch']:2d} {r['ms_per_step']:8.3f} {r['tok_s']:8.0f}  {r.get('tokens_sha')}")
+    if "error" in r:
+        print(f"{sys.argv[2]:16} {r['model']:14} {r['batch']:2d} error: {r['error']}"[:120])
+        continue
+    print(f"{sys.argv[2]:16} {r['model']:14} {r['batch']:2d} {r['ms_per_step']:8.3f} {r['tok_s']:8.0f}"
+          f"  {r.get('tokens_sha')}")
 PY
 done

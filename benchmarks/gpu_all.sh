@@ -16,8 +16,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.
 F="warn\|donat\|deprecat"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$OUT/gpu.txt"
 if [ "${GPU_TESTS:-1}" = 1 ]; then  # the `gpu`-marked tests: compiled kernels against their references
-  timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/test_pallas_kernels.py \
-    tests/test_int4_gemv.py > "$OUT/gpu_tests.log" 2>&1
+  timeout "${GPU_TESTS_SECONDS:-150}" python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu \
+    tests/test_pallas_kernels.py tests/test_int4_gemv.py > "$OUT/gpu_tests.log" 2>&1
 fi
 if [ "${GEMV_SECONDS:-0}" -gt 0 ]; then  # int4_matmul's asm_fma variants and the K-major GEMV at M = 1
   timeout $(( GEMV_SECONDS + 30 )) python3 benchmarks/bench_gemv.py --ms 1 --budget "$GEMV_SECONDS" ${GEMV_ARGS:-} \
@@ -25,9 +25,8 @@ if [ "${GEMV_SECONDS:-0}" -gt 0 ]; then  # int4_matmul's asm_fma variants and th
 fi
 KS=${KERNEL_SECONDS:-200}
 if [ "$KS" -gt 0 ]; then
-  timeout $(( KS + 20 )) python3 benchmarks/bench_kernels.py --sections "${KERNEL_SECTIONS:-copy,qmatmul,q8,decode,prefill}" \
-    --budget "$KS" \
-    2>&1 | grep -v -i "$F" > "$OUT/kernels.log"
+  timeout $(( KS + 20 )) python3 benchmarks/bench_kernels.py \
+    --sections "${KERNEL_SECTIONS:-copy,qmatmul,q8,decode,prefill}" --budget "$KS" 2>&1 | grep -v -i "$F" > "$OUT/kernels.log"
 fi
 if [ "${DECODE:-1}" = 1 ]; then
   dt=$(( $(left) - ${PEER_SECONDS:-200} )); [ "$dt" -lt 60 ] && dt=60

@@ -105,7 +105,8 @@ def source_identity(path: str) -> dict:
         if st.st_size > 2 << 20:
             f.seek(-(1 << 20), os.SEEK_END)
             h.update(f.read(1 << 20))
-    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns, "head_tail_sha256": h.hexdigest()}
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "head_tail_sha256": h.hexdigest()}
 
 
 def save(folder: str, cfg: ModelConfig, weights: Weights, tokenizer_meta: dict, source: dict | None):

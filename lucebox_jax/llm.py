@@ -121,7 +121,8 @@ class LLM:
             ids, text = [int(i) for i in prompt["prompt_token_ids"]], None
             bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
             if bad:
-                raise InvalidSamplingParamsError(f"token id {bad[0]} outside the vocabulary (0..{self.config.vocab_size - 1})")
+                raise InvalidSamplingParamsError(
+                    f"token id {bad[0]} outside the vocabulary (0..{self.config.vocab_size - 1})")
         elif isinstance(prompt, str):
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
@@ -285,7 +286,8 @@ class LLM:
             top_v, top_i = jax.lax.top_k(lp, max(k, 1))
             top_v, top_i, lp = np.asarray(top_v), np.asarray(top_i), np.asarray(lp)
             for p in range(1, len(ids)):
-                d = {int(i): Logprob(float(v), r + 1) for r, (i, v) in enumerate(zip(top_i[p - 1][:k], top_v[p - 1][:k]))}
+                pairs = zip(top_i[p - 1][:k], top_v[p - 1][:k])
+                d = {int(i): Logprob(float(v), r + 1) for r, (i, v) in enumerate(pairs)}
                 t = ids[p]
                 if t not in d:
                     rank = int((lp[p - 1] > lp[p - 1, t]).sum()) + 1

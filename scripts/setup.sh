@@ -26,7 +26,11 @@ find_python() {
 }
 
 if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
-  PY="$(find_python)" || { echo "setup: no Python >= 3.12 found (looked on PATH, in pyenv versions, /usr/local/bin, /usr/bin); install one or set PYTHON=/path/to/python3.12" >&2; exit 1; }
+  PY="$(find_python)" || {
+    echo "setup: no Python >= 3.12 found (looked on PATH, in pyenv versions, /usr/local/bin, /usr/bin);" \
+      "install one or set PYTHON=/path/to/python3.12" >&2
+    exit 1
+  }
   echo "setup: using $PY ($("$PY" --version))" >&2
   rm -rf .venv
   "$PY" -m venv .venv
