@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "tuned_config", "qmatmul_pallas",
-           "split_plan"]
+           "split_plan", "row_masks"]
 
 
 def _pow2_floor(v: int) -> int:
@@ -57,6 +57,17 @@ def _pow2_floor(v: int) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def row_masks(m0, bm: int, m_rows: int, cmask, ragged: bool, store: dict):
+    """x is not padded to a multiple of bm (a pad and a slice would be two more kernels per call): the row mask
+    ([bm] bool, rows >= M read as 0) and the store kwargs with it (rows past M are not written).  (None, store)
+    when bm divides M."""
+    if m_rows % bm == 0:
+        return None, store
+    rmask = (m0 + jnp.arange(bm)) < m_rows
+    mask = rmask[:, None] & cmask[None, :] if ragged else jnp.broadcast_to(rmask[:, None], (bm, cmask.shape[0]))
+    return rmask, dict(mask=mask)
 
 
 def split_plan(n_tiles: int, programs: int, split_k: int | None, min_programs: int) -> tuple[int, int]:
@@ -190,7 +201,7 @@ def _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc):
 
 
 def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode, decode, has_mins, out_partial,
-            scales_mode="tile", reduce="xla", m_rows=None):
+            m_rows, scales_mode="tile", reduce="xla"):
     if reduce == "atomic" and out_partial:  # last input: the zeroed float32 output it aliases (unused here)
         refs = refs[:-2] + refs[-1:]
     if has_mins:
@@ -210,8 +221,7 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
     t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
     m0 = pid_m * bm
     cdt = jnp.bfloat16 if decode == "asm" else x_ref.dtype
-    # x is not padded to a multiple of bm (a pad and a slice would be two more kernels per call): rows >= M read 0
-    rmask = (m0 + jnp.arange(bm)) < m_rows if m_rows is not None and m_rows % bm else None
+    rmask, sm = row_masks(m0, bm, m_rows, cmask, ragged, sm)
 
     def load_x(c0):
         if rmask is None:
@@ -286,8 +296,6 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
         res = lax.fori_loop(t0, t1, body, jnp.zeros((bn, bm), jnp.float32)).T
     else:
         res = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), jnp.float32))
-    if rmask is not None:  # rows past M are not stored (the output has exactly M rows)
-        sm = dict(mask=rmask[:, None] & cmask[None, :] if ragged else jnp.broadcast_to(rmask[:, None], (bm, bn)))
     if out_partial and reduce == "atomic":  # float32 [m_blocks * bm, n_blocks * bn], zeroed by the caller: no mask
         plgpu.atomic_add(o_ref, (pl.ds(m0, bm), pl.ds(n0, bn)), res)
     elif out_partial:

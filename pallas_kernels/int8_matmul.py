@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .int4_matmul import split_plan  # the same split-K sizing rule
+from .int4_matmul import row_masks, split_plan  # the same row masking and split-K sizing
 
 __all__ = ["int8_matmul", "int8_matmul_reference", "default_config", "qmatmul8_pallas"]
 
@@ -41,7 +41,7 @@ def _kernel(x_ref, c_ref, s_ref, o_ref, *, g, bm, bn, bk, n_cols, tiles_per_spli
     lm = dict(mask=cmask[None, :], other=0) if ragged else {}
     sm = dict(mask=cmask[None, :]) if ragged else {}
     cdt = x_ref.dtype
-    rmask = (m0 + jnp.arange(bm)) < m_rows if m_rows % bm else None  # x is not padded: rows >= M read 0
+    rmask, sm = row_masks(m0, bm, m_rows, cmask, ragged, sm)
     t0 = pid_k * tiles_per_split
     t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
 
@@ -59,8 +59,6 @@ def _kernel(x_ref, c_ref, s_ref, o_ref, *, g, bm, bn, bk, n_cols, tiles_per_spli
         return acc
 
     res = lax.fori_loop(t0, t1, body, jnp.zeros((bm, bn), jnp.float32))
-    if rmask is not None:  # the output has exactly M rows
-        sm = dict(mask=rmask[:, None] & cmask[None, :] if ragged else jnp.broadcast_to(rmask[:, None], (bm, bn)))
     if out_partial:
         plgpu.store(o_ref.at[pid_k, pl.ds(m0, bm), pl.ds(n0, bn)], res, **sm)
     else:

@@ -19,7 +19,7 @@ from lucebox_jax.quant import unpack_int4
 from pallas_kernels.int4_gemv import int4_gemv, int4_gemv_reference, repack_kmajor, unpack_kmajor
 from pallas_kernels.int4_matmul import int4_matmul_reference
 
-from test_pallas_kernels import TOL, gpu, rand_quant, rel
+from test_pallas_kernels import TOL, gpu, gpu_int4_case, rand_quant, rel
 
 
 @pytest.mark.parametrize("k,n,g", [(64, 5, 32), (256, 40, 64), (512, 3, 128)])
@@ -88,12 +88,8 @@ def test_gemv_sees_a_single_changed_code():
 @pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("g,sym", [(32, False), (128, True)])
 def test_gpu_gemv(m, g, sym):
-    rng = np.random.default_rng(m + g)
-    k, n = 1024, 1000
-    w = rand_quant(rng, k, n, g, sym)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    x, w, ref = gpu_int4_case(m, g, sym)
     kc = repack_kmajor(w.codes, g)
-    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
     for kw in ({}, dict(prefetch=False), dict(xsum="inside"), dict(block_n=64, num_warps=4)):
         y = jax.block_until_ready(int4_gemv(x, kc, w.scales, w.mins, group_size=g, **kw))
         assert rel(y, ref) < TOL[jnp.bfloat16], kw

@@ -281,18 +281,21 @@ def test_gpu_knob_sets_in_interpret_mode(g, sym):
         assert rel(y, ref8) < TOL[jnp.bfloat16], kw
 
 
+def gpu_int4_case(m, g, sym):
+    """The `gpu` tests' int4 case: K = 1024, N = 1000 (not a multiple of any block_n), bf16 x; (x, w, reference)."""
+    rng = np.random.default_rng(m + g)
+    w = rand_quant(rng, 1024, 1000, g, sym)
+    x = jnp.asarray(rng.standard_normal((m, 1024)), jnp.bfloat16)
+    return x, w, int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("m", [1, 3, 16, 40])
 @pytest.mark.parametrize("g,sym", [(32, False), (128, True)])
 def test_gpu_qmatmul(m, g, sym):
-    rng = np.random.default_rng(m + g)
-    k, n = 1024, 1000
-    w = rand_quant(rng, k, n, g, sym)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    y = ops.get("qmatmul", "pallas")(x, w)
-    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=g)
-    assert rel(y, ref) < TOL[jnp.bfloat16]
+    x, w, ref = gpu_int4_case(m, g, sym)
+    assert rel(ops.get("qmatmul", "pallas")(x, w), ref) < TOL[jnp.bfloat16]
     for kw in QMATMUL_GPU_KNOBS:
         y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, **kw)
         assert rel(y, ref) < TOL[jnp.bfloat16], kw
