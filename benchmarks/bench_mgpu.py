@@ -1,0 +1,142 @@
+#!/usr/bin/env python3
+"""One GPU run for issue 11: the Mosaic-GPU W4A16 / W8A16 kernel (`pallas_kernels/mgpu_qmatmul.py`) at Llama-3-8B
+layer shapes, swept over its configurations, against the Pallas-Triton kernel and XLA in the same call.
+
+    cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_mgpu.py [--budget 420] [--ms 1,16,64]
+
+Timing and bandwidth accounting are bench_kernels.py's (R input sets over 240 MB so L2 never holds the next one,
+GPU kernel time from the profiler: every kernel the op launches, the x pad/transpose and split-K sum included).
+Every timed configuration is first checked against the float32 reference. Results: $OUT/bench_mgpu.json, and the
+best configuration per (shape, quant, M) in $OUT/mgpu_tuned.json; a table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_kernels as bk  # noqa: E402
+from lucebox_jax import kernels_xla  # noqa: E402
+from lucebox_jax.quant import Int8Array, dequantize  # noqa: E402
+from pallas_kernels import mgpu_qmatmul as mg  # noqa: E402
+
+OUT = bk.OUT
+RES: dict = {"copy_GBps": None, "rows": [], "errors": []}
+CASES = [("gate_up", 4096, 28672, 32, 4), ("gate_up", 4096, 28672, 128, 4), ("qkv", 4096, 6144, 32, 4),
+         ("qkv", 4096, 6144, 128, 4), ("o", 4096, 4096, 32, 4), ("o", 4096, 4096, 128, 4),
+         ("down", 14336, 4096, 32, 4), ("down", 14336, 4096, 128, 4), ("head", 4096, 128256, 32, 8)]
+
+
+def make_sets(k, n, g, bits, m):
+    if bits == 4:
+        nb = k * n // 2 + k // g * n * 4
+        sets = bk.make_q_sets(k, n, g, g == 128, m, bk.n_sets(nb))
+    else:
+        sets = []
+        key = jax.random.PRNGKey(n + m)
+        for _ in range(bk.n_sets(k * n)):
+            key, k1, k2, k3 = jax.random.split(key, 4)
+            x = jax.random.normal(k1, (m, k), jnp.float32).astype(jnp.bfloat16)
+            codes = jax.random.randint(k2, (k, n), -127, 128, dtype=jnp.int32).astype(jnp.int8)
+            scales = (jax.random.uniform(k3, (k // g, n), jnp.float32, 0.5, 1.5) * 0.001).astype(jnp.float16)
+            sets.append((x, Int8Array(codes=codes, scales=scales, group_size=g)))
+    return sets
+
+
+def check(fn, x, w_orig, w_run):
+    ref = jnp.dot(x.astype(jnp.float32), dequantize(w_orig, jnp.float32))
+    return bk.rel_err(fn(x, w_run), ref)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--budget", type=float, default=420)
+    ap.add_argument("--ms", default="1,16,64")
+    ap.add_argument("--cases", default="")
+    ap.add_argument("--max-configs", type=int, default=0, help="time an even spread of at most this many")
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = bk.bench_copy()
+    RES["copy_GBps"] = bw
+    ms = [int(v) for v in args.ms.split(",")]
+    tuned = {}
+    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
+    for m in ms:
+        for label, k, n, g, bits in cases:
+            if time.time() - t0 > args.budget:
+                RES["errors"].append(f"budget: skipped {label} g{g} M={m}")
+                continue
+            sets = make_sets(k, n, g, bits, m)
+            msets = [(x, mg.repack(w)) for x, w in sets]
+            nbytes = sets[0][1].nbytes + m * k * 2 + m * n * 2
+            row = {"case": label, "k": k, "n": n, "g": g, "bits": bits, "m": m, "bytes": nbytes, "configs": []}
+            base_fn = kernels_xla.qmatmul_xla if bits == 4 else kernels_xla.qmatmul8_xla
+            try:
+                from lucebox_jax import kernels_pallas  # noqa: F401
+                from lucebox_jax import ops
+                pfn = ops.get("qmatmul" if bits == 4 else "qmatmul8", "pallas")
+                row["pallas_us"] = bk.time_sets(pfn, sets, trials=3) * 1e6
+                row["xla_us"] = bk.time_sets(base_fn, sets, trials=3) * 1e6 if m == 1 else None
+            except Exception as e:  # noqa: BLE001
+                RES["errors"].append(f"baseline {label} g{g} M={m}: {type(e).__name__}: {str(e)[:300]}")
+            cands = mg.candidate_configs(m, k, n, g, bits)
+            if args.max_configs and len(cands) > args.max_configs:
+                step = len(cands) / args.max_configs
+                cands = [cands[int(i * step)] for i in range(args.max_configs)]
+            if cands:
+                cands.append(mg.MgpuConfig(**dict(cands[0].__dict__, lhs_smem=True)))
+            for cfg in cands:
+                if time.time() - t0 > args.budget:
+                    break
+                fn = lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)  # noqa: E731
+                try:
+                    err = check(jax.jit(fn), sets[0][0], sets[0][1], msets[0][1])
+                    us = bk.time_sets(fn, msets, trials=3) * 1e6
+                    row["configs"].append({"cfg": cfg.__dict__, "us": us, "err": err})
+                    print(f"  {label} g{g} M={m} {cfg}: {us:.1f} us err {err:.1e}", flush=True)
+                except Exception as e:  # noqa: BLE001
+                    RES["errors"].append(f"{label} g{g} M={m} {cfg}: {type(e).__name__}: {str(e)[:400]}")
+                    print(f"  {label} g{g} M={m} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            good = [c for c in row["configs"] if c["err"] < 2e-2]
+            if good:
+                best = min(good, key=lambda c: c["us"])
+                row["best"] = best
+                tuned[f"{k}x{n}:g{g}:b{bits}:m{m}"] = best["cfg"]
+            RES["rows"].append(row)
+            del sets, msets
+            with open(os.path.join(OUT, "bench_mgpu.json"), "w") as f:
+                json.dump(RES, f, indent=1, default=str)
+            with open(os.path.join(OUT, "mgpu_tuned.json"), "w") as f:
+                json.dump(tuned, f, indent=1)
+    print(f"\ncopy bandwidth {bw:.0f} GB/s")
+    print("case g bits M | mgpu us GB/s %bw | pallas us | xla us | pallas/mgpu | best config")
+    for r in RES["rows"]:
+        b = r.get("best")
+        if not b:
+            print(f"{r['case']} g{r['g']} {r['bits']} {r['m']} | no config ran")
+            continue
+        gbs = r["bytes"] / b["us"] / 1e3
+        p, x = r.get("pallas_us"), r.get("xla_us")
+        c = b["cfg"]
+        print(f"{r['case']} g{r['g']} {r['bits']} {r['m']} | {b['us']:.1f} {gbs:.0f} {100 * gbs / bw:.0f}% | "
+              f"{p and round(p, 1)} | {x and round(x, 1)} | {p and round(p / b['us'], 2)} | "
+              f"tm{c['tile_m']} wg{c['compute_wgs']} gr{c['groups']} st{c['steps']} sk{c['split_k']} tt{c['tile_t']}")
+    for e in RES["errors"][:20]:
+        print("ERR", e[:300])
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()

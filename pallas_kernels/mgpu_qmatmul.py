@@ -1,0 +1,282 @@
+"""Hopper W4A16 / W8A16 matmul in Pallas Mosaic GPU: TMA pipeline, warp specialisation, swap-AB wgmma, group
+scales (and mins) applied in registers, split-K.
+
+Swap-AB: the weight is the wgmma M side (output features n, `tile_m` rows per compute warpgroup) and the activations
+x^T the N side (`tile_t` tokens, padded to 16 at least), so a decode step with one token still fills the tensor-core
+tile from the weight. The weight is repacked once at load time (`repack`) into a group-major layout whose pipeline
+step is a clean TMA box:
+
+  codes   int4 (or int8) [K // g, N, g]  signed: c = q - 8 for int4 (the engine's `QuantArray` stores q in 0..15)
+  scales  float16        [K // g, N]     unchanged from `QuantArray` / `Int8Array`
+  mins    float16        [K // g, N]     or None (symmetric)
+  value   = scales * c + (mins + 8 * scales)    (int4 asymmetric: the +8 folds back the shift in registers)
+          = scales * c                          (symmetric / int8)
+
+Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and mins,
+and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its [tile_m, g] codes into registers,
+converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
+the group's x^T rows. A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32
+partial sums that one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
+on the engine's `QuantArray`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lucebox_jax.quant import Int8Array, QuantArray, unpack_int4
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuConfig:
+    tile_m: int = 64  # output features per compute warpgroup (wgmma M: a multiple of 64)
+    tile_t: int = 16  # tokens per tile (wgmma N)
+    groups: int = 4  # quantization groups per pipeline step
+    steps: int = 4  # pipeline stages in flight
+    split_k: int = 1  # K splits (each a separate work item; float32 partials summed after)
+    compute_wgs: int = 2  # compute warpgroups per CTA, each owning tile_m rows
+    lhs_smem: bool = False  # stage the dequantized tile in shared memory for wgmma (interpret mode needs this)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class MgpuWeight:
+    """A weight repacked for this kernel (see the module docstring). `k`, `n`, `group_size`, `bits` are static."""
+
+    codes: jax.Array
+    scales: jax.Array
+    mins: jax.Array | None
+    group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
+    bits: int = dataclasses.field(metadata=dict(static=True), default=4)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        g, n, gs = self.codes.shape
+        return (g * gs, n)
+
+    @property
+    def nbytes(self) -> int:
+        b = self.codes.size * self.bits // 8 + self.scales.size * 2
+        return b + (self.mins.size * 2 if self.mins is not None else 0)
+
+
+def repack(w) -> MgpuWeight:
+    """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g]."""
+    g = w.group_size
+    if isinstance(w, QuantArray):
+        q = unpack_int4(w.codes).astype(jnp.int8) - 8  # [K, N] in -8..7
+        bits, mins = 4, w.mins
+    elif isinstance(w, Int8Array):
+        q, bits, mins = w.codes, 8, None
+    else:
+        raise TypeError(f"mgpu repack takes QuantArray or Int8Array, not {type(w).__name__}")
+    k, n = q.shape
+    codes = q.reshape(k // g, g, n).transpose(0, 2, 1)
+    codes = codes.astype(jnp.int4) if bits == 4 else codes.astype(jnp.int8)
+    return MgpuWeight(codes=codes, scales=w.scales, mins=mins, group_size=g, bits=bits)
+
+
+def dequantize_mgpu(w: MgpuWeight, dtype=jnp.float32) -> jax.Array:
+    """The repacked weight as a dense [K, N] array (plain jnp; the reference semantics)."""
+    c = w.codes.astype(jnp.float32)  # [K/g, N, g]
+    s = w.scales.astype(jnp.float32)[:, :, None]
+    v = c * s
+    if w.mins is not None:
+        v = v + w.mins.astype(jnp.float32)[:, :, None] + 8.0 * s
+    kg, n, g = c.shape
+    return v.transpose(0, 2, 1).reshape(kg * g, n).astype(dtype)
+
+
+def reference(x: jax.Array, w: MgpuWeight) -> jax.Array:
+    """Plain-jnp twin of `mgpu_matmul`: x [M, K] @ dequantized w, float32 accumulation, x.dtype out."""
+    return jnp.dot(x, dequantize_mgpu(w, x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _round_up(v: int, m: int) -> int:
+    return (v + m - 1) // m * m
+
+
+def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | None:
+    """Why `cfg` cannot serve this shape, or None."""
+    cta_m = cfg.tile_m * cfg.compute_wgs
+    if cfg.tile_m % 64:
+        return f"tile_m {cfg.tile_m} is not a multiple of 64"
+    if n % cta_m:
+        return f"N {n} is not a multiple of the CTA tile {cta_m}"
+    if g % 16 or g * bits // 8 < 16:
+        return f"group {g} too small for a TMA box of {bits}-bit codes (needs >= 16 bytes and a multiple of 16)"
+    if k % g:
+        return f"K {k} is not a multiple of the group {g}"
+    kg = k // g
+    if kg % (cfg.groups * cfg.split_k):
+        return f"{kg} groups do not split into {cfg.split_k} splits of steps of {cfg.groups} groups"
+    if cfg.tile_t % 16 or cfg.tile_t > 256:
+        return f"tile_t {cfg.tile_t} must be a multiple of 16 up to 256"
+    return None
+
+
+def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, num_sms: int = 132,
+                interpret: bool = False) -> jax.Array:
+    """x [M, K] (bf16) @ w -> [M, N] in x.dtype, on a Hopper GPU (Mosaic GPU)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, k = x.shape
+    k2, n = w.shape
+    if k != k2:
+        raise ValueError(f"x has K = {k}, the weight {k2}")
+    g, bits = w.group_size, w.bits
+    why = check_config(k, n, g, bits, cfg)
+    if why:
+        raise ValueError(f"mgpu_matmul config {cfg} cannot serve K={k} N={n} g={g}: {why}")
+    tm, tt, gps, wgs, splits = cfg.tile_m, cfg.tile_t, cfg.groups, cfg.compute_wgs, cfg.split_k
+    cta_m = tm * wgs
+    mp = _round_up(max(m, 1), tt)
+    xt = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T  # [K, Mp]: the wgmma B operand, K-major
+    n_tiles, t_tiles = n // cta_m, mp // tt
+    steps_per_split = k // g // gps // splits
+    work = n_tiles * t_tiles * splits
+    asym = w.mins is not None
+    out_dtype = jnp.float32 if splits > 1 else jnp.bfloat16
+
+    code_swz = plgpu.find_swizzle(g * bits, "lhs")
+    x_swz = plgpu.find_swizzle(tt * 16, "rhs")
+    out_swz = plgpu.find_swizzle(tt * jnp.dtype(out_dtype).itemsize * 8, "out")
+    code_tf = (plgpu.TilingTransform((8, code_swz * 8 // bits)),)
+    if code_swz >= 32:  # a 16-byte row (int4, g = 32) takes no swizzle
+        code_tf += (plgpu.SwizzleTransform(code_swz),)
+    x_tf = (plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))
+    out_bits = jnp.dtype(out_dtype).itemsize * 8
+    out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
+    lhs_smem = cfg.lhs_smem or interpret is not False
+    a_swz = plgpu.find_swizzle(g * 16, "lhs")
+    a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
+
+    def kernel(x_gmem, c_gmem, s_gmem, *rest, out_smem, a_smem=None):
+        if asym:
+            mn_gmem, out_gmem = rest
+        else:
+            (out_gmem,), mn_gmem = rest, None
+
+        def pipeline(body, context):
+            specs = [
+                plgpu.BlockSpec((gps, cta_m, g), lambda s: (s, 0, 0), transforms=code_tf),
+                plgpu.BlockSpec((gps, cta_m), lambda s: (s, 0)),
+            ]
+            if asym:
+                specs.append(plgpu.BlockSpec((gps, cta_m), lambda s: (s, 0)))
+            specs.append(plgpu.BlockSpec((gps * g, tt), lambda s: (s, 0), transforms=x_tf))
+            return plgpu.emit_pipeline_warp_specialized(
+                body, grid=(steps_per_split,), memory_registers=40, in_specs=specs, wg_axis="wg",
+                num_compute_wgs=wgs, max_concurrent_steps=cfg.steps, compute_context=context)
+
+        ignore = lambda *_, **__: None  # noqa: E731
+        gmem_args = (c_gmem, s_gmem) + ((mn_gmem,) if asym else ()) + (x_gmem,)
+
+        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*gmem_args),
+                           collective_axes="wg")
+        def _scope(allocs):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((work,), collective_axes="sm")
+            def _work(info):
+                (idx,) = info.index
+                split = idx % splits
+                rest_idx = idx // splits
+                t_idx = rest_idx % t_tiles
+                n_idx = rest_idx // t_tiles
+                grp = pl.ds(split * steps_per_split * gps, steps_per_split * gps)
+                rows = pl.ds(n_idx * cta_m, cta_m)
+                toks = pl.ds(t_idx * tt, tt)
+                kr = pl.ds(split * steps_per_split * gps * g, steps_per_split * gps * g)
+                wrows = pl.ds(wg * tm, tm)
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tt), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = acc_ref[...].astype(out_dtype)
+                        plgpu.commit_smem()
+                        dst = out_gmem.at[split] if splits > 1 else out_gmem
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[rows, toks].at[wrows])
+
+                def body(_, c_smem, s_smem, *refs):
+                    if asym:
+                        mn_smem, x_smem, acc_ref = refs
+                    else:
+                        x_smem, acc_ref = refs
+                    row_layout = plgpu.Layout.WGMMA.reduce(1)
+                    for j in range(gps):
+                        wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
+                        sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
+                        if asym:
+                            mn = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
+                            off = (mn + 8.0 * sc).astype(jnp.bfloat16)
+                            wv = wq * sc.astype(jnp.bfloat16)[:, None] + off[:, None]
+                        else:
+                            wv = wq * sc.astype(jnp.bfloat16)[:, None]
+                        if lhs_smem:
+                            a_smem[wg] = wv
+                            plgpu.commit_smem()
+                            wv = a_smem.at[wg]
+                        plgpu.wgmma(acc_ref, wv, x_smem.at[pl.ds(j * g, g), :])
+                        plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                args = [c_gmem.at[grp, rows, :], s_gmem.at[grp, rows]]
+                if asym:
+                    args.append(mn_gmem.at[grp, rows])
+                args.append(x_gmem.at[kr, toks])
+                pipeline(body, context)(*args, allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    out_shape = (splits, n, mp) if splits > 1 else (n, mp)
+    f = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        grid=(min(num_sms, work),),
+        grid_names=("sm",),
+        num_threads=wgs + 1,
+        thread_name="wg",
+        interpret=interpret,
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        scratch_types=dict(out_smem=plgpu.SMEM((wgs, tm, tt), out_dtype, transforms=out_tf),
+                           **({"a_smem": plgpu.SMEM((wgs, tm, g), jnp.bfloat16, transforms=a_tf)} if lhs_smem else {})),
+    )
+    args = (xt, w.codes, w.scales) + ((w.mins,) if asym else ())
+    out = f(*args)
+    if splits > 1:
+        out = out.sum(axis=0)
+    return out[:, :m].T.astype(x.dtype)
+
+
+def candidate_configs(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> list[MgpuConfig]:
+    """The configurations worth timing for one shape: CTA tiles of 64-256 rows, pipeline steps of 64-256 bytes of
+    codes per row, and the K splits that give the grid between one and about eight work items per SM."""
+    tt = 16 if m <= 16 else 32 if m <= 32 else 64
+    row_bytes = g * bits // 8
+    out = []
+    for tile_m in (64, 128):
+        for wgs in (1, 2):
+            for groups in (1, 2, 4, 8, 16):
+                if not 64 <= groups * row_bytes <= 256:
+                    continue
+                ok_splits = []
+                for split in (1, 2, 4, 8, 16):
+                    cfg = MgpuConfig(tile_m=tile_m, tile_t=tt, groups=groups, steps=4, split_k=split, compute_wgs=wgs)
+                    if check_config(k, n, g, bits, cfg):
+                        continue
+                    work = (n // (tile_m * wgs)) * (-(-m // tt)) * split
+                    if work >= num_sms // 2:
+                        ok_splits.append(cfg)
+                    if work >= num_sms * 2:
+                        break
+                out.extend(ok_splits[:2])
+    return out
