@@ -3,7 +3,7 @@
     from lucebox_jax import LLM, SamplingParams
 """
 
-from .errors import (CheckpointError, EmptyPromptError, InvalidSamplingParamsError, LuceboxError,
+from .errors import (CheckpointError, EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, LuceboxError,
                      ModelNotFoundError, PromptTooLongError, UnknownKernelError, UnsupportedModelError)
 from .sampling import SamplingParams
 
@@ -17,4 +17,4 @@ def __getattr__(name):  # LLM pulls in jax and the model: import it lazily
 
 
 __all__ = ["LLM", "SamplingParams", "LuceboxError", "ModelNotFoundError", "UnsupportedModelError", "CheckpointError",
-           "PromptTooLongError", "EmptyPromptError", "InvalidSamplingParamsError", "UnknownKernelError"]
+           "PromptTooLongError", "EmptyPromptError", "InvalidRequestError", "InvalidSamplingParamsError", "UnknownKernelError"]

@@ -43,6 +43,19 @@ def pow2_at_least(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
+def stop_matrix(stop_ids, batch: int) -> np.ndarray:
+    """Stop ids per row as int32 [batch, K] padded with -2 (K a power of two: few compiled shapes). `stop_ids` is one
+    list of sets (one per row; a row's stops never end another row) or one set shared by every row."""
+    rows = list(stop_ids) if stop_ids and not isinstance(next(iter(stop_ids)), (int, np.integer)) else None
+    rows = [sorted(int(t) for t in r) for r in rows] if rows is not None else [sorted(int(t) for t in stop_ids)] * batch
+    if len(rows) != batch:
+        raise ValueError(f"{len(rows)} stop-id sets for {batch} rows")
+    out = np.full((batch, pow2_at_least(max([len(r) for r in rows] + [1]))), -2, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
 def enable_compilation_cache(path: str | None = None) -> str:
     """Turn on JAX's persistent compilation cache so a second run does not compile again."""
     path = path or os.environ.get("LUCEBOX_JAX_CACHE") or os.path.join(
@@ -125,8 +138,8 @@ def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache:
     def put(buf, i, val):
         return jax.lax.dynamic_update_index_in_dim(buf, val, i, axis=1)
 
-    def is_stop(tok):
-        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    def is_stop(tok):  # stop_ids [B, K]: each row its own
+        return jnp.any(tok[:, None] == stop_ids, axis=-1)
 
     bufs = StepOut(
         tokens=put(jnp.full((b, max_new), -1, jnp.int32), 0, first.tokens),
@@ -237,9 +250,9 @@ class Engine:
                                  n_logprobs=n_logprobs)
 
     def loop(self, cache, first: StepOut, rp, seen, stop_ids, row_max, n_logprobs: int = 0):
-        """Run generate_loop; returns (bufs, count, cache, seen)."""
+        """Run generate_loop; returns (bufs, count, cache, seen). stop_ids: one set per row (or one for all)."""
         max_new = pow2_at_least(int(np.max(row_max)), 16)
-        stop = jnp.asarray(np.asarray(sorted(stop_ids) or [-2], np.int32))
-        key = ("loop", cache.batch, cache.max_len, max_new, n_logprobs, stop.shape[0])
+        stop = jnp.asarray(stop_matrix(stop_ids, cache.batch))
+        key = ("loop", cache.batch, cache.max_len, max_new, n_logprobs, stop.shape[1])
         return self._timed_first(key, generate_loop, self.cfg, self.kernels, self.weights, cache, first, rp, seen,
                                  stop, jnp.asarray(row_max, jnp.int32), max_new=max_new, n_logprobs=n_logprobs)

@@ -20,10 +20,10 @@ import numpy as np
 
 from . import ops
 from .engine import Engine, StepOut, enable_compilation_cache
-from .errors import EmptyPromptError, InvalidSamplingParamsError, PromptTooLongError
+from .errors import EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
 from .loader import load_model
 from .ops import KernelSet
-from .sampling import RowParams, SamplingParams
+from .sampling import RowParams, SamplingParams, _int, utf8_ok
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -115,18 +115,27 @@ class LLM:
         return ids
 
     def _request(self, prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise EmptyPromptError("a prompt dict needs 'prompt_token_ids'")
-            ids, text = [int(i) for i in prompt["prompt_token_ids"]], None
+            ids, text = prompt["prompt_token_ids"], None
+            if not isinstance(ids, (list, tuple)) or not all(_int(i) for i in ids):
+                raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {ids!r:.80}")
+            ids = [int(i) for i in ids]
             bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
             if bad:
-                raise InvalidSamplingParamsError(
+                raise InvalidRequestError(
                     f"token id {bad[0]} outside the vocabulary (0..{self.config.vocab_size - 1})")
         elif isinstance(prompt, str):
+            if not utf8_ok(prompt):
+                raise InvalidRequestError("the prompt is not valid UTF-8 text (it holds a lone surrogate, e.g. "
+                                          "from undecodable bytes)")
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
-            raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+            raise InvalidRequestError(f"a prompt is a string or a dict with 'prompt_token_ids', got "
+                                      f"{type(prompt).__name__}")
         if not ids:
             raise EmptyPromptError("empty prompt: it has no tokens")
         limit = self.config.max_context
@@ -223,7 +232,7 @@ class LLM:
         lens = np.array([len(r.ids) for r in reqs], np.int32)
         seen = eng.new_seen([r.ids for r in reqs])
         first, seen = eng.first_token(last, rp, lens, seen, n_lp)
-        stop_ids = set().union(*[self.stop_ids_for(r.params) for r in reqs])
+        stop_ids = [self.stop_ids_for(r.params) for r in reqs]  # per row: one row's stops never end another
         if self.spec is not None:
             bufs, count, cache = self.spec.loop(cache, [r.ids for r in reqs], first, rp, seen, stop_ids, row_max, n_lp)
         else:
