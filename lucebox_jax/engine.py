@@ -56,15 +56,29 @@ def stop_matrix(stop_ids, batch: int) -> np.ndarray:
     return out
 
 
-def enable_compilation_cache(path: str | None = None) -> str:
-    """Turn on JAX's persistent compilation cache so a second run does not compile again."""
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache so a second run does not compile again. A cache folder that cannot
+    be written (read-only HOME) falls back to one in the temp folder, with one warning; failing that, runs uncached."""
+    import logging
+    import tempfile
+
     path = path or os.environ.get("LUCEBOX_JAX_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "lucebox_jax", "jax_cache")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
+    fallback = os.path.join(tempfile.gettempdir(), f"lucebox_jax_cache-{os.getuid()}")
+    for i, p in enumerate(dict.fromkeys([path, fallback])):
+        try:
+            os.makedirs(p, exist_ok=True)
+            if not os.access(p, os.W_OK):
+                raise PermissionError(f"{p} is not writable")
+        except OSError as e:
+            logging.getLogger(__name__).warning("compilation cache %s unusable (%s)%s", p, e,
+                                                "; trying the temp folder" if i == 0 else "; running without it")
+            continue
+        jax.config.update("jax_compilation_cache_dir", p)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        return p
+    return None
 
 
 @struct.dataclass
