@@ -81,6 +81,43 @@ def enable_compilation_cache(path: str | None = None) -> str | None:
     return None
 
 
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
+    """Device bytes of a KV cache of `batch` rows x `max_len` positions, plus each row's seen-token mask."""
+    item = jnp.dtype(cfg.dtype).itemsize
+    return batch * (cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * item * max_len + cfg.vocab_size)
+
+
+def free_memory() -> int | None:
+    """Bytes free on the default device (a GPU's allocator limit, or the host's MemAvailable), None if unknown."""
+    try:
+        if jax.default_backend() != "cpu":
+            st = jax.devices()[0].memory_stats() or {}
+            return int(st["bytes_limit"] - st.get("bytes_in_use", 0)) if "bytes_limit" in st else None
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, KeyError, ValueError, RuntimeError):
+        pass
+    return None
+
+
+def check_fits(cfg: ModelConfig, batch: int, max_len: int):
+    """Refuse a cache that cannot fit (ResourceLimitError naming the limit) instead of an allocator crash."""
+    from .errors import ResourceLimitError
+
+    need = cache_bytes(cfg, batch, max_len)
+    if need < 256 << 20:  # small caches always go ahead: no device query
+        return
+    free = free_memory()
+    if free is not None and need > free:
+        fit = free // max(cache_bytes(cfg, 1, max_len), 1)
+        raise ResourceLimitError(
+            f"a batch of {batch} x {max_len} positions needs {need / 2**30:.2f} GiB of KV cache, but the "
+            f"{jax.default_backend()} has {free / 2**30:.2f} GiB free: at most {fit} rows of {max_len} positions fit "
+            "(lower --batch-size / max_batch or --max-context)")
+
+
 @struct.dataclass
 class StepOut:
     tokens: jax.Array  # [B] sampled next tokens
@@ -205,6 +242,7 @@ class Engine:
         return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        check_fits(self.cfg, batch, max_len)
         return init_cache(self.cfg, batch, max_len)
 
     def cache_len_for(self, needed: int) -> int:

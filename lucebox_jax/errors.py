@@ -33,6 +33,10 @@ class InvalidSamplingParamsError(InvalidRequestError):
     """A sampling parameter outside its valid range or of the wrong type."""
 
 
+class ResourceLimitError(LuceboxError):
+    """A request needs more of a resource (device memory) than there is; the message names the limit."""
+
+
 class UnknownKernelError(LuceboxError, KeyError):
     """A kernel or op name that is not registered."""
 

@@ -489,6 +489,7 @@ def derive_seed(job_seed: int, key: str) -> int:
 def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: float, log, fd: int | None = None):
     import jax
 
+    from .engine import check_fits
     from .llm import Request, find_stop
     from .scheduler import Scheduler, SlotRequest
 
@@ -497,6 +498,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
     steps = cfg.steps_per_call or (8 if jax.default_backend() == "cpu" else 16)
     max_len = -(-ctx // 64) * 64
     summ.slots, summ.max_context = slots, ctx
+    check_fits(eng.cfg, slots, max_len)  # before anything is written: a batch that cannot fit is refused
 
     def stop_check(r: SlotRequest, ids: list[int]) -> bool:
         stops = r.params.stop

@@ -148,11 +148,18 @@ class LLM:
     def _requests(self, prompts, sampling_params) -> list[Request]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise InvalidRequestError(f"prompts must be a string, a dict or a list of them, got "
+                                      f"{type(prompts).__name__}") from None
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise InvalidSamplingParamsError(f"sampling_params must be SamplingParams or a list of them, got "
+                                             f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise InvalidSamplingParamsError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         return [self._request(p, sp) for p, sp in zip(prompts, sampling_params)]

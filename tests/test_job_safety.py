@@ -63,3 +63,32 @@ def test_output_that_is_the_input_is_refused(tmp_path, how):
     with pytest.raises(JobError, match="is the input"):
         run_job(job_config_from_args(args), loader=lambda: pytest.fail("the model must not load"))
     assert open(inp, "rb").read() == before
+
+
+def test_batch_that_cannot_fit_is_refused_with_the_limit(tmp_path, tiny_llm):
+    from lucebox_jax.errors import ResourceLimitError
+
+    rows = [{"id": "a", "prompt": "hi", "max_tokens": 2}, "{bad json"]
+    args = build_parser().parse_args(["--input", write_jsonl(tmp_path / "in.jsonl", rows), "--output",
+                                      str(tmp_path / "out.jsonl"), "--quiet", "--batch-size", "100000000"])
+    with pytest.raises(ResourceLimitError, match=r"GiB free: at most \d+ rows"):
+        run_job(job_config_from_args(args), llm=tiny_llm)
+    assert (tmp_path / "out.jsonl").read_bytes() == b""  # nothing written, not even the bad line's record
+
+
+@pytest.mark.parametrize("kind", ["folder", "missing_folder", "under_a_file", "no_permission", "fifo"])
+def test_unwritable_output_refused_before_the_model_loads(tmp_path, kind):
+    inp = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "prompt": "hi"}])
+    out = {"folder": tmp_path, "missing_folder": tmp_path / "nope" / "o.jsonl",
+           "under_a_file": tmp_path / "in.jsonl" / "o.jsonl", "no_permission": tmp_path / "ro.jsonl",
+           "fifo": tmp_path / "fifo"}[kind]
+    if kind == "no_permission":
+        if os.geteuid() == 0:
+            pytest.skip("root ignores file permissions")
+        out.write_text("")
+        os.chmod(out, 0o444)
+    if kind == "fifo":
+        os.mkfifo(out)
+    args = build_parser().parse_args(["--input", inp, "--output", str(out), "--quiet"])
+    with pytest.raises(JobError, match="folder|cannot write|not a regular file|does not exist"):
+        run_job(job_config_from_args(args), loader=lambda: pytest.fail("the model must not load"))
