@@ -92,3 +92,25 @@ def test_unwritable_output_refused_before_the_model_loads(tmp_path, kind):
     args = build_parser().parse_args(["--input", inp, "--output", str(out), "--quiet"])
     with pytest.raises(JobError, match="folder|cannot write|not a regular file|does not exist"):
         run_job(job_config_from_args(args), loader=lambda: pytest.fail("the model must not load"))
+
+
+def test_resume_keeps_what_a_user_wrote_and_says_what_it_repaired(tmp_path, tiny_llm):
+    from test_jobs import job
+
+    rows = [{"id": f"r{i}", "prompt": f"p {i}", "max_tokens": 2} for i in range(4)]
+    out = tmp_path / "out.jsonl"
+    # a user's hand-written record without its final newline, a note line, and a record for an id not in the input
+    user = ('{"id": "other", "text": "kept"}\n# my note\n{"id": "r1", "text": "by hand", "finish_reason": "stop"}')
+    out.write_text(user)
+    status, summ, logs = job(tmp_path, tiny_llm, rows)
+    assert status == 0 and summ.skipped == 1 and summ.ok == 3
+    text = out.read_text()
+    assert text.startswith(user + "\n")  # nothing rewritten or dropped; the newline added
+    assert any("had no newline; added it" in m for m in logs) and any("not JSON records (line 2)" in m for m in logs)
+    ids = [json.loads(x)["id"] for x in text.splitlines() if x.startswith("{")]
+    assert sorted(ids) == ["other", "r0", "r1", "r2", "r3"]
+    # a torn write (not a record) is cut off, and said so with its bytes
+    with open(out, "a") as f:
+        f.write('{"id": "r9", "te')
+    _, _, logs = job(tmp_path, tiny_llm, rows)
+    assert out.read_text() == text and any("cut off a torn last line (16 bytes" in m for m in logs)
