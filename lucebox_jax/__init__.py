@@ -4,7 +4,8 @@
 """
 
 from .errors import (CheckpointError, EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, LuceboxError,
-                     ModelNotFoundError, PromptTooLongError, UnknownKernelError, UnsupportedModelError)
+                     ModelNotFoundError, PromptTooLongError, ResourceLimitError, UnknownKernelError,
+                     UnsupportedModelError)
 from .sampling import SamplingParams
 
 
@@ -17,4 +18,5 @@ def __getattr__(name):  # LLM pulls in jax and the model: import it lazily
 
 
 __all__ = ["LLM", "SamplingParams", "LuceboxError", "ModelNotFoundError", "UnsupportedModelError", "CheckpointError",
-           "PromptTooLongError", "EmptyPromptError", "InvalidRequestError", "InvalidSamplingParamsError", "UnknownKernelError"]
+           "PromptTooLongError", "EmptyPromptError", "InvalidRequestError", "InvalidSamplingParamsError",
+           "UnknownKernelError", "ResourceLimitError"]

@@ -83,7 +83,8 @@ def _check_text_args(args):
     from .errors import InvalidRequestError
     from .sampling import utf8_ok
 
-    for flag, value in (("--prompt", args.prompt), ("--system", args.system), *(("--stop", s) for s in args.stop or [])):
+    texts = [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop or []]
+    for flag, value in texts:
         if value is not None and not utf8_ok(value):
             raise InvalidRequestError(f"{flag} is not valid UTF-8 text (undecodable bytes "
                                       f"{value.encode('utf-8', 'surrogateescape')[:40]!r})")

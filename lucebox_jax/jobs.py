@@ -9,8 +9,9 @@ Output: one JSON object a line, written (flushed and fsync'ed) as each request f
 or, for a request that cannot run, {"id" (null when unknown), "line", "error": {"type", "message"}}.
 
 Resume: a rerun of the same command skips what the output already holds (complete, parseable lines only; a torn last
-line from a crash is cut off first): requests by id, and line-level errors (bad JSON, missing or duplicate id) by line
-number. So an interrupted job loses only its in-flight requests and a rerun duplicates nothing.
+line from a crash is cut off first, a whole last record missing its newline is kept; both reported): requests by id,
+and line-level errors (bad JSON, missing or duplicate id) by line number. So an interrupted job loses only its
+in-flight requests and a rerun duplicates nothing. One job owns an output at a time (`OutputLock`, an OS lock).
 
 Generation goes through `scheduler.Scheduler` (continuous batching over a fixed number of slots).
 """
@@ -188,8 +189,8 @@ def scan_output(path: str, repair: bool = True, report: list | None = None) -> t
             seen_ids[k] = seen_ids.get(k, 0) + 1
             done_ids.add(k)
     if bad_lines:
-        report.append(f"{path}: {len(bad_lines)} line(s) are not JSON records (line {', '.join(map(str, bad_lines[:5]))}"
-                      f"{' ...' if len(bad_lines) > 5 else ''}); left as they are")
+        shown = ", ".join(map(str, bad_lines[:5])) + (" ..." if len(bad_lines) > 5 else "")
+        report.append(f"{path}: {len(bad_lines)} line(s) are not JSON records (line {shown}); left as they are")
     dups = [k for k, c in seen_ids.items() if c > 1]
     if dups:
         report.append(f"{path}: {len(dups)} id(s) appear more than once (e.g. {dups[0]}); left as they are")
