@@ -72,6 +72,9 @@ class LLM:
                  use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128,
                  draft=None, num_draft: int | str = 4):
         t0 = time.perf_counter()
+        for name, v, lo in (("max_batch", max_batch, 1), ("max_context", max_context, 2), ("seed", seed, 0)):
+            if (v is not None or name != "max_context") and (not _int(v) or v < lo):
+                raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {v!r}")
         if compilation_cache:
             enable_compilation_cache()
         if kernels_module:
@@ -79,8 +82,6 @@ class LLM:
         kernel_set = KernelSet.resolve(kernels)
         cfg, weights, tok_meta, self.source = load_model(model, dtype, use_checkpoint, group_size)
         if max_context is not None:
-            if max_context < 2:
-                raise InvalidSamplingParamsError(f"max_context must be >= 2, got {max_context}")
             cfg = cfg.replace(max_context=min(cfg.max_context, max_context))
         self.tokenizer = Tokenizer.from_gguf_metadata(tok_meta)
         self.engine = Engine(cfg, weights, kernel_set)

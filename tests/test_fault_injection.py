@@ -66,6 +66,13 @@ def command(tiny_gguf, inp, out, *extra):
             str(inp), "--output", str(out), "--batch-size", "1", "--steps-per-call", "2", "--quiet", *extra]
 
 
+def scenario(tmp_path, tiny_gguf):
+    """(input, output, hashes of the other files, the job's command line)."""
+    inp = make_input(tmp_path)
+    out = tmp_path / "out.jsonl"
+    return inp, out, snapshot(tmp_path, out.name), command(tiny_gguf, inp, out)
+
+
 def start(cmd):
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -95,10 +102,7 @@ def finish(cmd, out, inp, others):
 
 
 def test_killed_at_random_points_each_id_exactly_once(tmp_path, tiny_gguf):
-    inp = make_input(tmp_path)
-    out = tmp_path / "out.jsonl"
-    others = snapshot(tmp_path, out.name)
-    cmd = command(tiny_gguf, inp, out)
+    inp, out, others, cmd = scenario(tmp_path, tiny_gguf)
     rng = random.Random(12)
     for n_lines, sig in ((0, signal.SIGKILL), (rng.randint(2, 6), signal.SIGKILL), (rng.randint(8, 12), signal.SIGTERM),
                          (rng.randint(13, 16), signal.SIGKILL)):
@@ -110,10 +114,7 @@ def test_killed_at_random_points_each_id_exactly_once(tmp_path, tiny_gguf):
 
 
 def test_concurrent_jobs_on_one_output(tmp_path, tiny_gguf):
-    inp = make_input(tmp_path)
-    out = tmp_path / "out.jsonl"
-    others = snapshot(tmp_path, out.name)
-    cmd = command(tiny_gguf, inp, out)
+    inp, out, others, cmd = scenario(tmp_path, tiny_gguf)
     procs = [start(cmd) for _ in range(3)]
     results = [(p.wait(timeout=300), p.communicate()[1]) for p in procs]
     assert all(rc in (0, 2) for rc, _ in results), results
@@ -126,10 +127,7 @@ def test_concurrent_jobs_on_one_output(tmp_path, tiny_gguf):
 
 
 def test_torn_last_lines_resume_exactly_once(tmp_path, tiny_gguf):
-    inp = make_input(tmp_path)
-    out = tmp_path / "out.jsonl"
-    others = snapshot(tmp_path, out.name)
-    cmd = command(tiny_gguf, inp, out)
+    inp, out, others, cmd = scenario(tmp_path, tiny_gguf)
     kill_after(start(cmd), out, 5, 0.0)
     lines = out.read_text().splitlines(keepends=True)
     last = lines[-1]
