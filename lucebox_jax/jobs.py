@@ -28,7 +28,7 @@ import time
 from typing import Iterator
 
 from .errors import InvalidSamplingParamsError, LuceboxError
-from .sampling import SEED_LIMIT, SamplingParams, _int, utf8_ok
+from .sampling import SEED_LIMIT, SamplingParams, is_int, utf8_ok
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
                    "stop_token_ids", "ignore_eos")
@@ -385,9 +385,9 @@ class JobConfig:
     def __post_init__(self):  # the Python API gets the same strict checks as the command line
         for name, lo in (("slots", 1), ("max_context", 2), ("steps_per_call", 1)):
             v = getattr(self, name)
-            if v is not None and (not _int(v) or v < lo):
+            if v is not None and (not is_int(v) or v < lo):
                 raise JobError(f"{name} must be an integer >= {lo}, got {v!r}")
-        if not _int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+        if not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
             raise JobError(f"seed must be an integer in 0..2**64-1, got {self.seed!r}")
         if "seed" in self.defaults:
             raise JobError("defaults must not hold a seed: each request derives its own from JobConfig.seed")

@@ -23,7 +23,7 @@ from .engine import Engine, StepOut, enable_compilation_cache
 from .errors import EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
 from .loader import load_model
 from .ops import KernelSet
-from .sampling import RowParams, SamplingParams, _int, utf8_ok
+from .sampling import RowParams, SamplingParams, is_int, utf8_ok
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -73,7 +73,7 @@ class LLM:
                  draft=None, num_draft: int | str = 4):
         t0 = time.perf_counter()
         for name, v, lo in (("max_batch", max_batch, 1), ("max_context", max_context, 2), ("seed", seed, 0)):
-            if (v is not None or name != "max_context") and (not _int(v) or v < lo):
+            if (v is not None or name != "max_context") and (not is_int(v) or v < lo):
                 raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {v!r}")
         if compilation_cache:
             enable_compilation_cache()
@@ -122,7 +122,7 @@ class LLM:
             if "prompt_token_ids" not in prompt:
                 raise EmptyPromptError("a prompt dict needs 'prompt_token_ids'")
             ids, text = prompt["prompt_token_ids"], None
-            if not isinstance(ids, (list, tuple)) or not all(_int(i) for i in ids):
+            if not isinstance(ids, (list, tuple)) or not all(is_int(i) for i in ids):
                 raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {ids!r:.80}")
             ids = [int(i) for i in ids]
             bad = [i for i in ids if not 0 <= i < self.config.vocab_size]

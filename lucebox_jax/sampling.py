@@ -42,11 +42,11 @@ class SamplingParams:
         def bad(msg):
             raise InvalidSamplingParamsError(msg)
 
-        if not _int(self.max_tokens) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _num(self.temperature) or self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _int(self.top_k) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
@@ -56,7 +56,7 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _num(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and (not _int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             bad(f"seed must be an integer in 0..2**64-1, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -69,16 +69,16 @@ class SamplingParams:
         self.stop = [s for s in (self.stop or []) if s]
         if self.stop_token_ids is not None:
             if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                    _int(t) and t >= 0 for t in self.stop_token_ids):
+                    is_int(t) and t >= 0 for t in self.stop_token_ids):
                 bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
             self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             bad(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not _int(v) or v < 0):
+            if v is not None and (not is_int(v) or v < 0):
                 bad(f"{name} must be an integer >= 0, got {v!r}")
-        if not _int(self.n) or self.n != 1:
+        if not is_int(self.n) or self.n != 1:
             bad("n > 1 is not supported; send the prompt several times with different seeds")
 
     @property
@@ -90,7 +90,7 @@ def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def _int(v) -> bool:
+def is_int(v) -> bool:
     """An integer proper: a boolean is not one (True == 1 in Python), nor is 2.0."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
 
