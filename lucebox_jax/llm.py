@@ -118,6 +118,10 @@ class LLM:
     def _request(self, prompt, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        bad = [t for t in params.stop_token_ids or [] if t >= self.config.vocab_size]
+        if bad:
+            raise InvalidSamplingParamsError(f"stop token id {bad[0]} outside the vocabulary "
+                                             f"(0..{self.config.vocab_size - 1})")
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise EmptyPromptError("a prompt dict needs 'prompt_token_ids'")

@@ -81,6 +81,20 @@ def test_api_types_use_the_library_errors(tiny_llm):
         tiny_llm.generate(123, SamplingParams(max_tokens=2))
     with pytest.raises(InvalidSamplingParamsError):
         tiny_llm.generate("hi", {"max_tokens": 2})
+    with pytest.raises(InvalidSamplingParamsError, match="stop token id 100000 outside"):
+        tiny_llm.generate("hi", SamplingParams(max_tokens=2, stop_token_ids=[100000]))
+
+
+def test_scheduler_refuses_bad_requests_typed(tiny_llm):
+    from lucebox_jax import InvalidRequestError, SamplingParams
+    from lucebox_jax.scheduler import Scheduler, SlotRequest
+
+    sched = Scheduler(tiny_llm.engine, slots=2, max_len=256)
+    p = SamplingParams(max_tokens=2, seed=1)
+    for r in (SlotRequest(0, [1.5], p), SlotRequest(0, [10**6], p), SlotRequest(0, [1], p, frozenset({-1})),
+              SlotRequest(0, [1], p, max_new=True), SlotRequest(0, [1], {"seed": 1}), SlotRequest(0, [], p)):
+        with pytest.raises(InvalidRequestError):
+            sched.validate(r)
 
 
 def test_read_only_home_falls_back(tmp_path, tiny_gguf):
