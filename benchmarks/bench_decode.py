@@ -132,7 +132,7 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
     seen = jnp.zeros((batch, cfg.vocab_size), bool)
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
     first, seen = sample_first(logits, rp, jnp.full((batch,), ctx), seen)
-    stop = jnp.asarray([-2], jnp.int32)
+    stop = jnp.full((batch, 1), -2, jnp.int32)  # per-row stop ids [B, K]: none
     row_max = jnp.full((batch,), n_tokens, jnp.int32)
     t0 = time.perf_counter()
     lowered = decode_step.lower(cfg, kernels, weights, cache, first.tokens, rp, seen)

@@ -3,8 +3,9 @@
     from lucebox_jax import LLM, SamplingParams
 """
 
-from .errors import (CheckpointError, EmptyPromptError, InvalidSamplingParamsError, LuceboxError,
-                     ModelNotFoundError, PromptTooLongError, UnknownKernelError, UnsupportedModelError)
+from .errors import (CheckpointError, EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, LuceboxError,
+                     ModelNotFoundError, PromptTooLongError, ResourceLimitError, UnknownKernelError,
+                     UnsupportedModelError)
 from .sampling import SamplingParams
 
 
@@ -17,4 +18,5 @@ def __getattr__(name):  # LLM pulls in jax and the model: import it lazily
 
 
 __all__ = ["LLM", "SamplingParams", "LuceboxError", "ModelNotFoundError", "UnsupportedModelError", "CheckpointError",
-           "PromptTooLongError", "EmptyPromptError", "InvalidSamplingParamsError", "UnknownKernelError"]
+           "PromptTooLongError", "EmptyPromptError", "InvalidRequestError", "InvalidSamplingParamsError",
+           "UnknownKernelError", "ResourceLimitError"]

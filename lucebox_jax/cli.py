@@ -77,9 +77,24 @@ def main(argv=None) -> int:
         return 130
 
 
+def _check_text_args(args):
+    """Arguments the OS gave as bytes that are not UTF-8 arrive as lone surrogates (surrogateescape): refuse them
+    with the flag's name instead of a UnicodeEncodeError from the tokenizer or the terminal."""
+    from .errors import InvalidRequestError
+    from .sampling import utf8_ok
+
+    texts = [("--prompt", args.prompt), ("--system", args.system)] + [("--stop", s) for s in args.stop or []]
+    for flag, value in texts:
+        if value is not None and not utf8_ok(value):
+            raise InvalidRequestError(f"{flag} is not valid UTF-8 text (undecodable bytes "
+                                      f"{value.encode('utf-8', 'surrogateescape')[:40]!r})")
+
+
 def _run(args) -> int:
     from . import ops
     from .errors import EmptyPromptError
+
+    _check_text_args(args)
 
     if args.kernels_module:
         ops.import_kernel_module(args.kernels_module)

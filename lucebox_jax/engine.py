@@ -43,15 +43,79 @@ def pow2_at_least(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, int(n) - 1).bit_length())
 
 
-def enable_compilation_cache(path: str | None = None) -> str:
-    """Turn on JAX's persistent compilation cache so a second run does not compile again."""
+def stop_matrix(stop_ids, batch: int) -> np.ndarray:
+    """Stop ids per row as int32 [batch, K] padded with -2 (K a power of two: few compiled shapes). `stop_ids` is one
+    list of sets (one per row; a row's stops never end another row) or one set shared by every row."""
+    rows = list(stop_ids) if stop_ids and not isinstance(next(iter(stop_ids)), (int, np.integer)) else None
+    rows = [sorted(int(t) for t in r) for r in rows] if rows is not None else [sorted(int(t) for t in stop_ids)] * batch
+    if len(rows) != batch:
+        raise ValueError(f"{len(rows)} stop-id sets for {batch} rows")
+    out = np.full((batch, pow2_at_least(max([len(r) for r in rows] + [1]))), -2, np.int32)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = r
+    return out
+
+
+def enable_compilation_cache(path: str | None = None) -> str | None:
+    """Turn on JAX's persistent compilation cache so a second run does not compile again. A cache folder that cannot
+    be written (read-only HOME) falls back to one in the temp folder, with one warning; failing that, runs uncached."""
+    import logging
+    import tempfile
+
     path = path or os.environ.get("LUCEBOX_JAX_CACHE") or os.path.join(
         os.path.expanduser("~"), ".cache", "lucebox_jax", "jax_cache")
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return path
+    fallback = os.path.join(tempfile.gettempdir(), f"lucebox_jax_cache-{os.getuid()}")
+    for i, p in enumerate(dict.fromkeys([path, fallback])):
+        try:
+            os.makedirs(p, exist_ok=True)
+            if not os.access(p, os.W_OK):
+                raise PermissionError(f"{p} is not writable")
+        except OSError as e:
+            logging.getLogger(__name__).warning("compilation cache %s unusable (%s)%s", p, e,
+                                                "; trying the temp folder" if i == 0 else "; running without it")
+            continue
+        jax.config.update("jax_compilation_cache_dir", p)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        return p
+    return None
+
+
+def cache_bytes(cfg: ModelConfig, batch: int, max_len: int) -> int:
+    """Device bytes of a KV cache of `batch` rows x `max_len` positions, plus each row's seen-token mask."""
+    item = jnp.dtype(cfg.dtype).itemsize
+    return batch * (cfg.n_layers * 2 * cfg.n_kv_heads * cfg.head_dim * item * max_len + cfg.vocab_size)
+
+
+def free_memory() -> int | None:
+    """Bytes free on the default device (a GPU's allocator limit, or the host's MemAvailable), None if unknown."""
+    try:
+        if jax.default_backend() != "cpu":
+            st = jax.devices()[0].memory_stats() or {}
+            return int(st["bytes_limit"] - st.get("bytes_in_use", 0)) if "bytes_limit" in st else None
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, KeyError, ValueError, RuntimeError):
+        pass
+    return None
+
+
+def check_fits(cfg: ModelConfig, batch: int, max_len: int):
+    """Refuse a cache that cannot fit (ResourceLimitError naming the limit) instead of an allocator crash."""
+    from .errors import ResourceLimitError
+
+    need = cache_bytes(cfg, batch, max_len)
+    if need < 256 << 20:  # small caches always go ahead: no device query
+        return
+    free = free_memory()
+    if free is not None and need > free:
+        fit = free // max(cache_bytes(cfg, 1, max_len), 1)
+        raise ResourceLimitError(
+            f"a batch of {batch} x {max_len} positions needs {need / 2**30:.2f} GiB of KV cache, but the "
+            f"{jax.default_backend()} has {free / 2**30:.2f} GiB free: at most {fit} rows of {max_len} positions fit "
+            "(lower --batch-size / max_batch or --max-context)")
 
 
 @struct.dataclass
@@ -125,8 +189,8 @@ def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache:
     def put(buf, i, val):
         return jax.lax.dynamic_update_index_in_dim(buf, val, i, axis=1)
 
-    def is_stop(tok):
-        return jnp.any(tok[:, None] == stop_ids[None, :], axis=-1)
+    def is_stop(tok):  # stop_ids [B, K]: each row its own
+        return jnp.any(tok[:, None] == stop_ids, axis=-1)
 
     bufs = StepOut(
         tokens=put(jnp.full((b, max_new), -1, jnp.int32), 0, first.tokens),
@@ -178,6 +242,7 @@ class Engine:
         return out
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
+        check_fits(self.cfg, batch, max_len)
         return init_cache(self.cfg, batch, max_len)
 
     def cache_len_for(self, needed: int) -> int:
@@ -237,9 +302,9 @@ class Engine:
                                  n_logprobs=n_logprobs)
 
     def loop(self, cache, first: StepOut, rp, seen, stop_ids, row_max, n_logprobs: int = 0):
-        """Run generate_loop; returns (bufs, count, cache, seen)."""
+        """Run generate_loop; returns (bufs, count, cache, seen). stop_ids: one set per row (or one for all)."""
         max_new = pow2_at_least(int(np.max(row_max)), 16)
-        stop = jnp.asarray(np.asarray(sorted(stop_ids) or [-2], np.int32))
-        key = ("loop", cache.batch, cache.max_len, max_new, n_logprobs, stop.shape[0])
+        stop = jnp.asarray(stop_matrix(stop_ids, cache.batch))
+        key = ("loop", cache.batch, cache.max_len, max_new, n_logprobs, stop.shape[1])
         return self._timed_first(key, generate_loop, self.cfg, self.kernels, self.weights, cache, first, rp, seen,
                                  stop, jnp.asarray(row_max, jnp.int32), max_new=max_new, n_logprobs=n_logprobs)

@@ -25,8 +25,16 @@ class EmptyPromptError(LuceboxError, ValueError):
     """A prompt with no tokens."""
 
 
-class InvalidSamplingParamsError(LuceboxError, ValueError):
-    """A sampling parameter outside its valid range."""
+class InvalidRequestError(LuceboxError, ValueError):
+    """A request field of the wrong type or value (a prompt token id that is a float, text that is not UTF-8...)."""
+
+
+class InvalidSamplingParamsError(InvalidRequestError):
+    """A sampling parameter outside its valid range or of the wrong type."""
+
+
+class ResourceLimitError(LuceboxError):
+    """A request needs more of a resource (device memory) than there is; the message names the limit."""
 
 
 class UnknownKernelError(LuceboxError, KeyError):

@@ -62,27 +62,82 @@ def config_from_metadata(meta: dict, dtype: str = "float32") -> ModelConfig:
             raise UnsupportedModelError(f"GGUF metadata lacks {arch}.{key}")
         return v
 
-    dim = int(get("embedding_length"))
-    n_heads = int(get("attention.head_count"))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", dim // n_heads))
+    def num(key, default=None, kind=int):
+        v = get(key, default)
+        try:
+            if isinstance(v, bool) or (kind is int and float(v) != int(v)):
+                raise ValueError
+            return kind(v)
+        except (TypeError, ValueError, OverflowError):
+            raise UnsupportedModelError(f"GGUF metadata {arch}.{key} is {v!r:.60}, not a number of the right "
+                                        "kind") from None
+
+    dim = num("embedding_length")
+    n_heads = num("attention.head_count")
+    if n_heads < 1 or dim < 1:
+        raise UnsupportedModelError(f"degenerate model: {n_heads} attention heads, embedding length {dim}")
+    head_dim = num("attention.key_length", dim // n_heads)
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
-    return ModelConfig(
+    cfg = ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
         dim=dim,
-        n_layers=int(get("block_count")),
+        n_layers=num("block_count"),
         n_heads=n_heads,
-        n_kv_heads=int(get("attention.head_count_kv", n_heads)),
+        n_kv_heads=num("attention.head_count_kv", n_heads),
         head_dim=head_dim,
-        ffn_dim=int(get("feed_forward_length")),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
-        max_context=int(get("context_length", 2048)),
+        ffn_dim=num("feed_forward_length"),
+        rope_theta=num("rope.freq_base", 10000.0, float),
+        rms_eps=num("attention.layer_norm_rms_epsilon", 1e-6, float),
+        max_context=num("context_length", 2048),
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         rope_interleaved=arch == "llama",
         dtype=dtype,
     )
+    validate_config(cfg, has_key_length=f"{arch}.attention.key_length" in meta)
+    return cfg
+
+
+def validate_config(cfg: ModelConfig, has_key_length: bool = True):
+    """Refuse metadata the engine cannot run (zero or non-dividing heads, odd head size, ...) as UnsupportedModelError
+    instead of a ZeroDivisionError or a shape error deep in jit."""
+    problems = [f"{name} is {v}, must be >= {lo}" for name, v, lo in (
+        ("block_count", cfg.n_layers, 1), ("attention.head_count_kv", cfg.n_kv_heads, 1),
+        ("feed_forward_length", cfg.ffn_dim, 1), ("vocabulary size", cfg.vocab_size, 1),
+        ("context_length", cfg.max_context, 2), ("head size", cfg.head_dim, 2)) if v < lo]
+    if cfg.n_kv_heads >= 1 and cfg.n_heads % cfg.n_kv_heads:
+        problems.append(f"{cfg.n_heads} attention heads do not divide into {cfg.n_kv_heads} key/value heads")
+    if cfg.head_dim % 2:
+        problems.append(f"head size {cfg.head_dim} is odd (RoPE rotates pairs)")
+    if not has_key_length and cfg.dim % cfg.n_heads:
+        problems.append(f"embedding length {cfg.dim} is not a multiple of {cfg.n_heads} heads")
+    if not (cfg.rope_theta > 0 and cfg.rms_eps > 0) or not all(map(np.isfinite, (cfg.rope_theta, cfg.rms_eps))):
+        problems.append(f"rope.freq_base {cfg.rope_theta} and layer_norm_rms_epsilon {cfg.rms_eps} must be > 0")
+    if problems:
+        raise UnsupportedModelError("unsupported model metadata: " + "; ".join(problems))
+
+
+def check_shapes(cfg: ModelConfig, tensors: dict):
+    """Each tensor the engine reads has the shape the config implies (GGUF lists dims innermost first)."""
+    d, hd, f = cfg.dim, cfg.head_dim, cfg.ffn_dim
+    want = {"output_norm.weight": (d,)}
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        want.update({p + "attn_q.weight": (d, cfg.n_heads * hd), p + "attn_k.weight": (d, cfg.n_kv_heads * hd),
+                     p + "attn_v.weight": (d, cfg.n_kv_heads * hd), p + "attn_output.weight": (cfg.n_heads * hd, d),
+                     p + "ffn_gate.weight": (d, f), p + "ffn_up.weight": (d, f), p + "ffn_down.weight": (f, d),
+                     p + "attn_norm.weight": (d,), p + "ffn_norm.weight": (d,), p + "attn_q_norm.weight": (hd,),
+                     p + "attn_k_norm.weight": (hd,)})
+    emb = tensors.get("token_embd.weight")
+    if emb is not None:
+        want["token_embd.weight"] = (d, int(emb.shape[1]) if len(emb.shape) > 1 else -1)
+        want["output.weight"] = want["token_embd.weight"]
+    for name, shape in want.items():
+        t = tensors.get(name)
+        if t is not None and tuple(int(x) for x in t.shape) != shape:
+            raise UnsupportedModelError(f"tensor {name} has shape {[int(x) for x in t.shape]}, but the metadata "
+                                        f"implies {list(shape)}")
 
 
 def _blocks(t, block_bytes: int) -> np.ndarray:
@@ -193,6 +248,7 @@ def load_gguf(path: str, dtype: str = "float32", group_size: int = 128):
     meta = read_metadata(reader)
     cfg = config_from_metadata(meta, dtype)
     tensors = {t.name: t for t in reader.tensors}
+    check_shapes(cfg, tensors)
 
     def need(name):
         if name not in tensors:

@@ -9,8 +9,9 @@ Output: one JSON object a line, written (flushed and fsync'ed) as each request f
 or, for a request that cannot run, {"id" (null when unknown), "line", "error": {"type", "message"}}.
 
 Resume: a rerun of the same command skips what the output already holds (complete, parseable lines only; a torn last
-line from a crash is cut off first): requests by id, and line-level errors (bad JSON, missing or duplicate id) by line
-number. So an interrupted job loses only its in-flight requests and a rerun duplicates nothing.
+line from a crash is cut off first, a whole last record missing its newline is kept; both reported): requests by id,
+and line-level errors (bad JSON, missing or duplicate id) by line number. So an interrupted job loses only its
+in-flight requests and a rerun duplicates nothing. One job owns an output at a time (`OutputLock`, an OS lock).
 
 Generation goes through `scheduler.Scheduler` (continuous batching over a fixed number of slots).
 """
@@ -18,16 +19,16 @@ Generation goes through `scheduler.Scheduler` (continuous batching over a fixed 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import signal
 import sys
 import time
-import zlib
 from typing import Iterator
 
 from .errors import InvalidSamplingParamsError, LuceboxError
-from .sampling import SamplingParams
+from .sampling import SEED_LIMIT, SamplingParams, is_int, utf8_ok
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repetition_penalty",
                    "stop_token_ids", "ignore_eos")
@@ -76,7 +77,9 @@ def parse_line(line_no: int, text: str, defaults: dict, seen: dict[str, int]) ->
         return Item(line_no, error=("missing_id", f"line {line_no}: no 'id' (or 'custom_id')"))
     if not _valid_id(rid):
         return Item(line_no, error=("invalid_id", f"line {line_no}: 'id' must be a non-empty string or an integer, "
-                                                  f"got {rid!r}"))
+                                                  f"got {rid!r:.80}"))
+    if isinstance(rid, str) and not utf8_ok(rid):
+        return Item(line_no, error=("invalid_id", f"line {line_no}: 'id' {rid!r:.80} is not valid UTF-8 text"))
     key = id_key(rid)
     if key in seen:
         return Item(line_no, id=rid, key=key,
@@ -92,6 +95,10 @@ def parse_line(line_no: int, text: str, defaults: dict, seen: dict[str, int]) ->
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             it.error = ("invalid_request", f"line {line_no}: 'prompt' must be a non-empty string")
             return it
+        if not utf8_ok(obj["prompt"]):
+            it.error = ("invalid_request", f"line {line_no}: 'prompt' is not valid UTF-8 text (a lone surrogate "
+                                           "escape such as \\ud800)")
+            return it
         it.prompt = obj["prompt"]
     else:
         msgs = obj["messages"]
@@ -101,18 +108,14 @@ def parse_line(line_no: int, text: str, defaults: dict, seen: dict[str, int]) ->
             it.error = ("invalid_request", f"line {line_no}: 'messages' must be a non-empty list of "
                                            "{\"role\": str, \"content\": str} objects")
             return it
+        if not all(utf8_ok(m["role"]) and utf8_ok(m["content"]) for m in msgs):
+            it.error = ("invalid_request", f"line {line_no}: 'messages' hold text that is not valid UTF-8 (a lone "
+                                           "surrogate escape such as \\ud800)")
+            return it
         it.messages = msgs
     kw = dict(defaults)
     kw.update({k: obj[k] for k in SAMPLING_FIELDS if k in obj})
-    try:
-        if kw.get("stop") is not None and not (isinstance(kw["stop"], str) or (
-                isinstance(kw["stop"], list) and all(isinstance(s, str) for s in kw["stop"]))):
-            raise InvalidSamplingParamsError(f"stop must be a string or a list of strings, got {kw['stop']!r}")
-        if kw.get("stop_token_ids") is not None and not (isinstance(kw["stop_token_ids"], list) and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in kw["stop_token_ids"])):
-            raise InvalidSamplingParamsError(f"stop_token_ids must be a list of integers, got {kw['stop_token_ids']!r}")
-        if "ignore_eos" in kw and not isinstance(kw["ignore_eos"], bool):
-            raise InvalidSamplingParamsError(f"ignore_eos must be true or false, got {kw['ignore_eos']!r}")
+    try:  # SamplingParams checks every field's type and range
         it.params = SamplingParams(**kw)
     except (InvalidSamplingParamsError, TypeError) as e:
         it.error = ("invalid_sampling_params", f"line {line_no}: {e}")
@@ -136,27 +139,45 @@ def read_input(path: str, defaults: dict) -> list[Item]:
 
 
 # ---------------------------------------------------------------------------------------------------- resume
-def scan_output(path: str, repair: bool = True) -> tuple[set[str], set[int]]:
-    """Ids and error lines already recorded in `path`. A torn last line (no newline at the end: a crash mid-write)
-    is cut off when `repair`; unparseable complete lines are ignored (they count as not done)."""
+def scan_output(path: str, repair: bool = True, report: list | None = None) -> tuple[set[str], set[int]]:
+    """Ids and error lines already recorded in `path`, changing nothing but a torn last line, and saying so in
+    `report` (a list of messages). The last line without its newline: kept (the newline added) when it is a whole
+    JSON record, cut off when not (a crash mid-write), when `repair`. Lines that are not records are left as they are
+    and count as not done, so their requests run again."""
     done_ids: set[str] = set()
     done_lines: set[int] = set()
+    report = report if report is not None else []
     if not os.path.exists(path):
         return done_ids, done_lines
     with open(path, "rb") as f:
         data = f.read()
     end = data.rfind(b"\n") + 1
-    if end < len(data) and repair:
-        with open(path, "r+b") as f:
-            f.truncate(end)
-            f.flush()
-            os.fsync(f.fileno())
-    for raw in data[:end].splitlines():
-        try:
-            rec = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            continue
-        if not isinstance(rec, dict):
+    if end < len(data):
+        tail = data[end:]
+        whole = _record(tail) is not None
+        if repair:
+            with open(path, "r+b") as f:
+                if whole:
+                    f.seek(0, os.SEEK_END)
+                    f.write(b"\n")
+                else:
+                    f.truncate(end)
+                f.flush()
+                os.fsync(f.fileno())
+        if whole:
+            end = len(data)
+            data += b"\n"
+            report.append(f"{path}: the last record had no newline; {'added it' if repair else 'it counts'}")
+        else:
+            report.append(f"{path}: {'cut off' if repair else 'ignoring'} a torn last line ({len(tail)} bytes, "
+                          f"an interrupted write): {tail[:60]!r}")
+    seen_ids: dict[str, int] = {}
+    bad_lines = []
+    for n, raw in enumerate(data[:end].splitlines(), start=1):
+        rec = _record(raw)
+        if rec is None:
+            if raw.strip():
+                bad_lines.append(n)
             continue
         err = rec.get("error")
         rid = rec.get("id", rec.get("custom_id"))
@@ -164,8 +185,24 @@ def scan_output(path: str, repair: bool = True) -> tuple[set[str], set[int]]:
             if isinstance(rec.get("line"), int):
                 done_lines.add(rec["line"])
         elif _valid_id(rid):
-            done_ids.add(id_key(rid))
+            k = id_key(rid)
+            seen_ids[k] = seen_ids.get(k, 0) + 1
+            done_ids.add(k)
+    if bad_lines:
+        shown = ", ".join(map(str, bad_lines[:5])) + (" ..." if len(bad_lines) > 5 else "")
+        report.append(f"{path}: {len(bad_lines)} line(s) are not JSON records (line {shown}); left as they are")
+    dups = [k for k, c in seen_ids.items() if c > 1]
+    if dups:
+        report.append(f"{path}: {len(dups)} id(s) appear more than once (e.g. {dups[0]}); left as they are")
     return done_ids, done_lines
+
+
+def _record(raw: bytes) -> dict | None:
+    try:
+        rec = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    return rec if isinstance(rec, dict) else None
 
 
 def is_done(it: Item, done_ids: set[str], done_lines: set[int]) -> bool:
@@ -211,11 +248,67 @@ class _Signals:
             raise KeyboardInterrupt
 
 
+class OutputLock:
+    """One job owns an output file at a time: an exclusive OS lock (flock) on the open file, held for the whole job
+    and released by the OS when the process ends, also on a kill. A second job refuses at once. Also refuses, before
+    anything is written, an output that is a folder, unwritable, not a regular file, or the input file itself under
+    another name (a symlink or hard link: same device and inode)."""
+
+    def __init__(self, path: str, input_path: str | None = None):
+        self.path = path
+        self.input_path = input_path
+        self.fd: int | None = None
+
+    def _same_as_input(self, st) -> bool:
+        if self.input_path is None:
+            return False
+        try:
+            si = os.stat(self.input_path)
+        except OSError:
+            return False
+        return (si.st_dev, si.st_ino) == (st.st_dev, st.st_ino)
+
+    def __enter__(self) -> "OutputLock":
+        import fcntl
+        import stat
+
+        path = self.path
+        if os.path.exists(path):
+            st = os.stat(path)
+            if stat.S_ISDIR(st.st_mode):
+                raise JobError(f"--output {path} is a folder; give a file path")
+            if not stat.S_ISREG(st.st_mode):
+                raise JobError(f"--output {path} is not a regular file")
+            if self._same_as_input(st):
+                raise JobError(f"--output {path} is the input file {self.input_path} under another name")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            raise JobError(f"cannot write --output {path}: {e.strerror or e}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise JobError(f"--output {path} is in use by another job (it holds the file's lock); wait for it to "
+                           "finish or give another --output") from None
+        if self._same_as_input(os.fstat(fd)):  # swapped in between: still nothing written
+            os.close(fd)
+            raise JobError(f"--output {path} is the input file {self.input_path} under another name")
+        self.fd = fd
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing the file releases the lock
+            self.fd = None
+
+
 class ResultWriter:
     """Appends records to the output; `ordered`: in `seq` order, each written as soon as all before it are."""
 
-    def __init__(self, path: str, ordered: bool, signals: _Signals | None = None):
+    def __init__(self, path: str, ordered: bool, signals: _Signals | None = None, fd: int | None = None):
         self.path = path
+        self.fd = fd  # the locked output (OutputLock): written through a duplicate of it
         self.ordered = ordered
         self.signals = signals
         self.f = None
@@ -226,7 +319,8 @@ class ResultWriter:
 
     def _open(self):
         if self.f is None:
-            self.f = open(self.path, "a", encoding="utf-8")
+            self.f = (os.fdopen(os.dup(self.fd), "a", encoding="utf-8") if self.fd is not None
+                      else open(self.path, "a", encoding="utf-8"))
 
     def put(self, seq: int, rec: dict) -> int:
         """Queue a record; returns how many records got written by this call."""
@@ -244,6 +338,8 @@ class ResultWriter:
     def _write(self, rec: dict):
         self._open()
         line = json.dumps(rec, ensure_ascii=False) + "\n"
+        if not utf8_ok(line):  # never expected (inputs are checked), but a record must not stop the job
+            line = json.dumps(rec) + "\n"
         if self.signals:
             self.signals.enter()
         try:
@@ -285,6 +381,17 @@ class JobConfig:
     steps_per_call: int | None = None
     seed: int = 0
     defaults: dict = dataclasses.field(default_factory=dict)  # SamplingParams fields
+
+    def __post_init__(self):  # the Python API gets the same strict checks as the command line
+        for name, lo in (("slots", 1), ("max_context", 2), ("steps_per_call", 1)):
+            v = getattr(self, name)
+            if v is not None and (not is_int(v) or v < lo):
+                raise JobError(f"{name} must be an integer >= {lo}, got {v!r}")
+        if not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+            raise JobError(f"seed must be an integer in 0..2**64-1, got {self.seed!r}")
+        if "seed" in self.defaults:
+            raise JobError("defaults must not hold a seed: each request derives its own from JobConfig.seed")
+        SamplingParams(**self.defaults)
 
 
 @dataclasses.dataclass
@@ -348,41 +455,53 @@ def run_job(cfg: JobConfig, llm=None, loader=None, log=None) -> tuple[int, JobSu
     t_start = time.perf_counter()
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     summ = JobSummary()
-    if os.path.abspath(cfg.input) == os.path.abspath(cfg.output):
-        raise JobError("--output must not be the --input file")
     out_dir = os.path.dirname(os.path.abspath(cfg.output))
     if not os.path.isdir(out_dir):
         raise JobError(f"output folder does not exist: {out_dir}")
+    if not os.path.isfile(cfg.input):
+        raise JobError(f"input file not found: {cfg.input}")
+    if os.path.exists(cfg.output) and os.path.samefile(cfg.input, cfg.output):
+        raise JobError(f"--output {cfg.output} is the input file {cfg.input} under another name")
     items = read_input(cfg.input, cfg.defaults)
     if not items:
         log(f"{cfg.input}: no requests (the file is empty); nothing to do")
         return 0, summ
-    done_ids, done_lines = scan_output(cfg.output)
-    todo = [it for it in items if not is_done(it, done_ids, done_lines)]
-    summ.skipped = len(items) - len(todo)
-    if not todo:
-        summ.wall_seconds = time.perf_counter() - t_start
-        log(f"{cfg.output}: all {len(items)} requests already done; nothing to do")
-        log(summ.line())
-        return 0, summ
-    for i, it in enumerate(todo):
-        it.seq = i
-    if llm is None:
-        if not cfg.quiet:
-            log(f"{len(todo)} requests to run ({summ.skipped} already in {cfg.output}); loading the model ...")
-        if loader is None:
-            from .llm import LLM
+    with OutputLock(cfg.output, cfg.input) as lock:
+        notes: list[str] = []
+        done_ids, done_lines = scan_output(cfg.output, report=notes)
+        for note in notes:
+            log(note)
+        todo = [it for it in items if not is_done(it, done_ids, done_lines)]
+        summ.skipped = len(items) - len(todo)
+        if not todo:
+            summ.wall_seconds = time.perf_counter() - t_start
+            log(f"{cfg.output}: all {len(items)} requests already done; nothing to do")
+            log(summ.line())
+            return 0, summ
+        for i, it in enumerate(todo):
+            it.seq = i
+        if llm is None:
+            if not cfg.quiet:
+                log(f"{len(todo)} requests to run ({summ.skipped} already in {cfg.output}); loading the model ...")
+            if loader is None:
+                from .llm import LLM
 
-            llm = LLM(max_context=cfg.max_context)
-        else:
-            llm = loader()
-        summ.load_seconds = getattr(llm, "load_seconds", 0.0)
-    return _generate(cfg, llm, todo, summ, t_start, log)
+                llm = LLM(max_context=cfg.max_context)
+            else:
+                llm = loader()
+            summ.load_seconds = getattr(llm, "load_seconds", 0.0)
+        return _generate(cfg, llm, todo, summ, t_start, log, lock.fd)
 
 
-def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: float, log):
+def derive_seed(job_seed: int, key: str) -> int:
+    """A request's seed from the job's --seed and its id: 64 bits of a hash, so every id draws its own stream."""
+    return int.from_bytes(hashlib.blake2b(f"{job_seed}:{key}".encode(), digest_size=8).digest(), "little")
+
+
+def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: float, log, fd: int | None = None):
     import jax
 
+    from .engine import check_fits
     from .llm import Request, find_stop
     from .scheduler import Scheduler, SlotRequest
 
@@ -391,6 +510,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
     steps = cfg.steps_per_call or (8 if jax.default_backend() == "cpu" else 16)
     max_len = -(-ctx // 64) * 64
     summ.slots, summ.max_context = slots, ctx
+    check_fits(eng.cfg, slots, max_len)  # before anything is written: a batch that cannot fit is refused
 
     def stop_check(r: SlotRequest, ids: list[int]) -> bool:
         stops = r.params.stop
@@ -402,7 +522,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
     sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps,
                       max_prefill_batch=min(8, slots), stop_check=stop_check)
     signals = _Signals()
-    writer = ResultWriter(cfg.output, cfg.ordered, signals)
+    writer = ResultWriter(cfg.output, cfg.ordered, signals, fd)
     bar = None
     if not cfg.quiet:
         from tqdm import tqdm
@@ -451,7 +571,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
                 continue
             p = it.params
             if p.seed is None:
-                p = dataclasses.replace(p, seed=zlib.crc32(f"{cfg.seed}:{it.key}".encode()) & 0x7FFFFFFF)
+                p = dataclasses.replace(p, seed=derive_seed(cfg.seed, it.key))
             in_flight.add(it.seq)
             yield SlotRequest(key=(it, len(ids)), ids=ids, params=p, stop_ids=frozenset(llm.stop_ids_for(p)),
                               max_new=min(p.max_tokens, ctx - len(ids)))
@@ -521,9 +641,10 @@ def job_config_from_args(args) -> JobConfig:
         raise JobError(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
     if args.max_context is not None and args.max_context < 2:
         raise JobError(f"--max-context must be >= 2, got {args.max_context}")
+    # no seed among the defaults: a request without its own derives one from --seed and its id (derive_seed)
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                    min_p=args.min_p, repetition_penalty=args.repeat_penalty, seed=args.seed, stop=args.stop)
-    SamplingParams(**defaults)  # bad command-line values fail before anything runs
+                    min_p=args.min_p, repetition_penalty=args.repeat_penalty, stop=args.stop)
+    SamplingParams(**defaults, seed=args.seed)  # bad command-line values fail before anything runs
     return JobConfig(input=args.input, output=args.output, token_ids=args.token_ids, ordered=args.ordered,
                      quiet=args.quiet, slots=args.batch_size, max_context=args.max_context,
                      steps_per_call=args.steps_per_call, seed=args.seed or 0, defaults=defaults)

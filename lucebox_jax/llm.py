@@ -20,10 +20,10 @@ import numpy as np
 
 from . import ops
 from .engine import Engine, StepOut, enable_compilation_cache
-from .errors import EmptyPromptError, InvalidSamplingParamsError, PromptTooLongError
+from .errors import EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
 from .loader import load_model
 from .ops import KernelSet
-from .sampling import RowParams, SamplingParams
+from .sampling import RowParams, SamplingParams, is_int, utf8_ok
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -72,6 +72,9 @@ class LLM:
                  use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128,
                  draft=None, num_draft: int | str = 4):
         t0 = time.perf_counter()
+        for name, v, lo in (("max_batch", max_batch, 1), ("max_context", max_context, 2), ("seed", seed, 0)):
+            if (v is not None or name != "max_context") and (not is_int(v) or v < lo):
+                raise InvalidRequestError(f"{name} must be an integer >= {lo}, got {v!r}")
         if compilation_cache:
             enable_compilation_cache()
         if kernels_module:
@@ -79,8 +82,6 @@ class LLM:
         kernel_set = KernelSet.resolve(kernels)
         cfg, weights, tok_meta, self.source = load_model(model, dtype, use_checkpoint, group_size)
         if max_context is not None:
-            if max_context < 2:
-                raise InvalidSamplingParamsError(f"max_context must be >= 2, got {max_context}")
             cfg = cfg.replace(max_context=min(cfg.max_context, max_context))
         self.tokenizer = Tokenizer.from_gguf_metadata(tok_meta)
         self.engine = Engine(cfg, weights, kernel_set)
@@ -115,18 +116,31 @@ class LLM:
         return ids
 
     def _request(self, prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        bad = [t for t in params.stop_token_ids or [] if t >= self.config.vocab_size]
+        if bad:
+            raise InvalidSamplingParamsError(f"stop token id {bad[0]} outside the vocabulary "
+                                             f"(0..{self.config.vocab_size - 1})")
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise EmptyPromptError("a prompt dict needs 'prompt_token_ids'")
-            ids, text = [int(i) for i in prompt["prompt_token_ids"]], None
+            ids, text = prompt["prompt_token_ids"], None
+            if not isinstance(ids, (list, tuple)) or not all(is_int(i) for i in ids):
+                raise InvalidRequestError(f"prompt_token_ids must be a list of integers, got {ids!r:.80}")
+            ids = [int(i) for i in ids]
             bad = [i for i in ids if not 0 <= i < self.config.vocab_size]
             if bad:
-                raise InvalidSamplingParamsError(
+                raise InvalidRequestError(
                     f"token id {bad[0]} outside the vocabulary (0..{self.config.vocab_size - 1})")
         elif isinstance(prompt, str):
+            if not utf8_ok(prompt):
+                raise InvalidRequestError("the prompt is not valid UTF-8 text (it holds a lone surrogate, e.g. "
+                                          "from undecodable bytes)")
             ids, text = self.tokenizer.encode(prompt), prompt
         else:
-            raise TypeError(f"a prompt is a string or a dict with 'prompt_token_ids', got {type(prompt).__name__}")
+            raise InvalidRequestError(f"a prompt is a string or a dict with 'prompt_token_ids', got "
+                                      f"{type(prompt).__name__}")
         if not ids:
             raise EmptyPromptError("empty prompt: it has no tokens")
         limit = self.config.max_context
@@ -139,11 +153,18 @@ class LLM:
     def _requests(self, prompts, sampling_params) -> list[Request]:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        prompts = list(prompts)
+        try:
+            prompts = list(prompts)
+        except TypeError:
+            raise InvalidRequestError(f"prompts must be a string, a dict or a list of them, got "
+                                      f"{type(prompts).__name__}") from None
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise InvalidSamplingParamsError(f"sampling_params must be SamplingParams or a list of them, got "
+                                             f"{type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise InvalidSamplingParamsError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
         return [self._request(p, sp) for p, sp in zip(prompts, sampling_params)]
@@ -223,7 +244,7 @@ class LLM:
         lens = np.array([len(r.ids) for r in reqs], np.int32)
         seen = eng.new_seen([r.ids for r in reqs])
         first, seen = eng.first_token(last, rp, lens, seen, n_lp)
-        stop_ids = set().union(*[self.stop_ids_for(r.params) for r in reqs])
+        stop_ids = [self.stop_ids_for(r.params) for r in reqs]  # per row: one row's stops never end another
         if self.spec is not None:
             bufs, count, cache = self.spec.loop(cache, [r.ids for r in reqs], first, rp, seen, stop_ids, row_max, n_lp)
         else:

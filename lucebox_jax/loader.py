@@ -4,6 +4,7 @@ that checkpoint (see checkpoint.py for how staleness and corruption are caught).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -83,7 +84,29 @@ def load_model(model: str | None = None, dtype: str | None = None, use_checkpoin
         return cfg, w, Tokenizer.from_gguf_metadata(meta).to_metadata(), f"gguf {path}"
     name = os.path.splitext(os.path.basename(path))[0]
     folder = os.path.join(checkpoint_root(), name)
-    if checkpoint.is_fresh(folder, path):
+    conversion = {"group_size": group_size}
+    with contextlib.ExitStack() as held:
+        try:  # one process checks and converts at a time; the others then find the fresh checkpoint
+            os.makedirs(os.path.dirname(folder), exist_ok=True)
+            held.enter_context(checkpoint.conversion_lock(folder))
+        except OSError as e:  # a read-only checkpoint folder: use a fresh checkpoint there, else the GGUF itself
+            if checkpoint.is_fresh(folder, path, conversion):
+                try:
+                    cfg, w, tok = checkpoint.load(folder, dtype)
+                    return cfg, w, tok, f"checkpoint {folder}"
+                except CheckpointError:
+                    pass
+            log.warning("cannot convert into %s (%s); loading the GGUF directly (set LUCEBOX_CHECKPOINTS to a "
+                        "writable folder to convert once)", os.path.dirname(folder), e.strerror or e)
+            cfg, w, meta = load_gguf(path, dtype, group_size)
+            return cfg, w, Tokenizer.from_gguf_metadata(meta).to_metadata(), f"gguf {path}"
+        return _load_or_convert(path, folder, dtype, group_size, conversion)
+
+
+def _load_or_convert(path: str, folder: str, dtype: str, group_size: int, conversion: dict):
+    from .tokenizer import Tokenizer
+
+    if checkpoint.is_fresh(folder, path, conversion):
         try:
             cfg, w, tok = checkpoint.load(folder, dtype)
             return cfg, w, tok, f"checkpoint {folder}"
@@ -91,12 +114,12 @@ def load_model(model: str | None = None, dtype: str | None = None, use_checkpoin
             log.warning("%s; rebuilding it from %s", e, path)
     elif os.path.exists(folder):
         log.warning("checkpoint %s is stale or unreadable; rebuilding it from %s", folder, path)
+    source = checkpoint.source_identity(path)  # hashed before reading: a file changed meanwhile is caught next run
     cfg, w, meta = load_gguf(path, dtype, group_size)
     tok = Tokenizer.from_gguf_metadata(meta).to_metadata()
     try:
-        os.makedirs(os.path.dirname(folder), exist_ok=True)
-        checkpoint.save(folder, cfg, w, tok, checkpoint.source_identity(path))
+        checkpoint.save(folder, cfg, w, tok, source, conversion)
         log.info("converted %s -> %s", path, folder)
-    except OSError as e:  # a read-only location must not stop the run
+    except OSError as e:  # a full or read-only disk must not stop the run
         log.warning("could not write checkpoint %s: %s", folder, e)
     return cfg, w, tok, f"gguf {path} (converted to {folder})"

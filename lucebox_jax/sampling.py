@@ -17,6 +17,7 @@ from flax import struct
 from .errors import InvalidSamplingParamsError
 
 _NEG = -1e30
+SEED_LIMIT = 1 << 64  # seeds are 0..2**64-1, each its own random stream
 
 
 @dataclasses.dataclass
@@ -41,11 +42,11 @@ class SamplingParams:
         def bad(msg):
             raise InvalidSamplingParamsError(msg)
 
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             bad(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _num(self.temperature) or self.temperature < 0:
             bad(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             bad(f"top_k must be an integer >= 0 (0 or -1 disables it), got {self.top_k!r}")
         if self.top_k == -1:
             self.top_k = 0
@@ -55,16 +56,29 @@ class SamplingParams:
             bad(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _num(self.repetition_penalty) or self.repetition_penalty <= 0:
             bad(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            bad(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            bad(f"seed must be an integer in 0..2**64-1, got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if self.stop is not None and (not isinstance(self.stop, (list, tuple)) or not all(
+                isinstance(s, str) for s in self.stop)):
+            bad(f"stop must be a string or a list of strings, got {self.stop!r}")
+        for s in self.stop or []:
+            if not utf8_ok(s):
+                bad(f"stop string {s!r} is not valid UTF-8 text")
         self.stop = [s for s in (self.stop or []) if s]
+        if self.stop_token_ids is not None:
+            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+                    is_int(t) and t >= 0 for t in self.stop_token_ids):
+                bad(f"stop_token_ids must be a list of token ids (integers >= 0), got {self.stop_token_ids!r}")
+            self.stop_token_ids = list(self.stop_token_ids)
+        if not isinstance(self.ignore_eos, bool):
+            bad(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 0):
+            if v is not None and (not is_int(v) or v < 0):
                 bad(f"{name} must be an integer >= 0, got {v!r}")
-        if self.n != 1:
+        if not is_int(self.n) or self.n != 1:
             bad("n > 1 is not supported; send the prompt several times with different seeds")
 
     @property
@@ -74,6 +88,27 @@ class SamplingParams:
 
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def is_int(v) -> bool:
+    """An integer proper: a boolean is not one (True == 1 in Python), nor is 2.0."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def utf8_ok(text: str) -> bool:
+    """Whether `text` encodes as UTF-8 (lone surrogates from JSON escapes or undecodable CLI bytes do not)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def seed_keys(seeds) -> np.ndarray:
+    """Raw threefry keys [B, 2] uint32 of 64-bit seeds: (high word, low word), as `jax.random.PRNGKey` builds them
+    with x64 on, so every seed in 0..2**64-1 is its own stream (and seeds < 2**32 keep their old keys)."""
+    s = np.asarray([int(x) for x in seeds], np.uint64)
+    return np.stack([(s >> np.uint64(32)).astype(np.uint32), (s & np.uint64(0xFFFFFFFF)).astype(np.uint32)], -1)
 
 
 @struct.dataclass
@@ -96,13 +131,8 @@ class RowParams:
             top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
             min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
             rep_penalty=jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
-            keys=_keys_from_seeds(jnp.asarray([s & 0x7FFFFFFF for s in seeds], jnp.int32)),
+            keys=jnp.asarray(seed_keys([s % SEED_LIMIT for s in seeds])),
         )
-
-
-@jax.jit
-def _keys_from_seeds(seeds):
-    return jax.vmap(lambda s: jax.random.key_data(jax.random.key(s)))(seeds)
 
 
 def apply_repetition_penalty(logits, seen, penalty):

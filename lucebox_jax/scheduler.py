@@ -32,7 +32,8 @@ from flax import struct
 
 from .engine import MIN_CACHE, PREFILL_CHUNK, Engine, bucket, pow2_at_least, prefill_step
 from .model import KVCache, forward
-from .sampling import RowParams, SamplingParams, sample
+from .errors import InvalidRequestError
+from .sampling import RowParams, SamplingParams, is_int, sample
 
 
 @struct.dataclass
@@ -269,13 +270,19 @@ class Scheduler:
         return None
 
     def validate(self, r: SlotRequest):
-        if not r.ids:
-            raise ValueError("empty prompt")
-        if r.max_new < 1 or len(r.ids) + r.max_new > self.max_len:
-            raise ValueError(f"request {r.key!r}: prompt {len(r.ids)} + max_new {r.max_new} tokens does not fit "
-                             f"the cache of {self.max_len}")
+        """Typed refusal of a request the device loop cannot take (InvalidRequestError is a ValueError)."""
+        vocab = self.engine.cfg.vocab_size
+        if not isinstance(r.params, SamplingParams):
+            raise InvalidRequestError(f"request {r.key!r}: params must be SamplingParams")
+        if not isinstance(r.ids, (list, tuple)) or not r.ids or not all(is_int(t) and 0 <= t < vocab for t in r.ids):
+            raise InvalidRequestError(f"request {r.key!r}: ids must be a non-empty list of token ids in 0..{vocab - 1}")
+        if not all(is_int(t) and 0 <= t < vocab for t in r.stop_ids):
+            raise InvalidRequestError(f"request {r.key!r}: stop ids must be token ids in 0..{vocab - 1}")
+        if not is_int(r.max_new) or r.max_new < 1 or len(r.ids) + r.max_new > self.max_len:
+            raise InvalidRequestError(f"request {r.key!r}: prompt {len(r.ids)} + max_new {r.max_new!r} tokens does "
+                                      f"not fit the cache of {self.max_len}")
         if r.params.seed is None:
-            raise ValueError(f"request {r.key!r}: params.seed must be set")
+            raise InvalidRequestError(f"request {r.key!r}: params.seed must be set")
 
     def run(self, requests: Iterable[SlotRequest]) -> Iterator[list[Finished]]:
         """Serve `requests` (pulled lazily) until all are finished; yields the requests finished in each host round."""

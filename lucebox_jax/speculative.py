@@ -32,7 +32,7 @@ import numpy as np
 from flax import struct
 
 from .config import ModelConfig
-from .engine import MIN_CACHE, Engine, StepOut, pow2_at_least
+from .engine import MIN_CACHE, Engine, StepOut, pow2_at_least, stop_matrix
 from .errors import InvalidSamplingParamsError
 from .model import KVCache, Weights, forward
 from .ops import KernelSet
@@ -221,7 +221,7 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         vo, cache = _verify(cfg, kernels, weights, cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs)
         n = vo.n_accepted
         toks = vo.tokens
-        stop = jnp.any(toks[..., None] == stop_ids[None, None, :], axis=-1) & (j <= n[:, None])
+        stop = jnp.any(toks[..., None] == stop_ids[:, None, :], axis=-1) & (j <= n[:, None])
         first_stop = jnp.where(jnp.any(stop, axis=1), jnp.argmax(stop, axis=1), k + 1)
         keep = (active[:, None] & (j <= n[:, None]) & (j <= first_stop[:, None])
                 & (j < (row_max - st.count)[:, None]))
@@ -315,9 +315,9 @@ class SpeculativeDecoder:
                        put0(jnp.zeros((b, m), jnp.float32), first.logprob),
                        put0(jnp.zeros((b, m, k), jnp.int32), first.top_ids),
                        put0(jnp.zeros((b, m, k), jnp.float32), first.top_vals))
-        stop = jnp.asarray(np.asarray(sorted(stop_ids) or [-2], np.int32))
+        stop = jnp.asarray(stop_matrix(stop_ids, b))  # [B, K]: each row its own stop ids
         row_max = jnp.asarray(row_max, jnp.int32)
-        done = jnp.any(first.tokens[:, None] == stop[None, :], axis=-1) | (row_max <= 1)
+        done = jnp.any(first.tokens[:, None] == stop, axis=-1) | (row_max <= 1)
         deng = getattr(self.drafter, "engine", None)
         c0 = deng.compile_seconds if deng is not None else 0.0
         dstate = self.drafter.init_state(prompts, cache.max_len)
@@ -331,7 +331,7 @@ class SpeculativeDecoder:
     def _chunk(self, state: SpecState, rp, stop, row_max, max_steps: int, k: int, n_logprobs: int):
         eng = self.engine
         key = ("spec", self.drafter.key, k, state.bufs.tokens.shape, state.cache.max_len, n_logprobs,
-               stop.shape[0], self.kmax)
+               stop.shape[1], self.kmax)
         return eng._timed_first(key, spec_chunk, eng.cfg, eng.kernels, self.drafter, eng.weights,
                                 self.drafter.params, state, rp, stop, row_max, jnp.int32(max_steps), k=k,
                                 n_logprobs=n_logprobs)

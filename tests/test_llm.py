@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from lucebox_jax import (EmptyPromptError, InvalidSamplingParamsError, PromptTooLongError, SamplingParams,
-                         UnknownKernelError)
+from lucebox_jax import (EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError,
+                         SamplingParams, UnknownKernelError)
 from lucebox_jax.reference import naive_greedy
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
@@ -103,7 +103,7 @@ def test_errors(smol):
         smol.generate("", GREEDY)
     with pytest.raises(PromptTooLongError, match=f"context limit is {smol.config.max_context}"):
         smol.generate({"prompt_token_ids": [1] * smol.config.max_context}, GREEDY)
-    with pytest.raises(InvalidSamplingParamsError):
+    with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
         smol.generate({"prompt_token_ids": [10**9]}, GREEDY)
     with pytest.raises(InvalidSamplingParamsError, match="top_p"):
         SamplingParams(top_p=0)
