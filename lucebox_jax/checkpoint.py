@@ -65,7 +65,8 @@ def _node_from_flat(name: str, arrays: dict, spec: dict):
     return a(name)
 
 
-LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm")
+LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm",
+                "post_attn_norm", "post_ffn_norm")
 
 
 def weights_to_flat(w: Weights) -> tuple[dict, dict]:

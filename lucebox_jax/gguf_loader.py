@@ -66,6 +66,7 @@ def config_from_metadata(meta: dict, dtype: str = "float32") -> ModelConfig:
     n_heads = int(get("attention.head_count"))
     head_dim = int(meta.get(f"{arch}.attention.key_length", dim // n_heads))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
+    gemma = _gemma3_settings(meta, dim, head_dim) if arch == "gemma3" else {}
     return ModelConfig(
         arch=arch,
         vocab_size=int(vocab),
@@ -79,9 +80,37 @@ def config_from_metadata(meta: dict, dtype: str = "float32") -> ModelConfig:
         rms_eps=float(get("attention.layer_norm_rms_epsilon", 1e-6)),
         max_context=int(get("context_length", 2048)),
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        rope_interleaved=arch == "llama",
+        qk_norm=arch in ("qwen3", "gemma3"),
+        rope_interleaved=arch == "llama",  # qwen, gemma: NEOX halves
         dtype=dtype,
+        **gemma,
+    )
+
+
+# llama.cpp's Gemma 3 constants that the GGUF does not store (llama-model.cpp, LLM_ARCH_GEMMA3)
+GEMMA3_SWA_PATTERN = 6  # every 6th layer is global
+GEMMA3_ROPE_BASE_LOCAL = 10000.0
+
+
+def _gemma3_settings(meta: dict, dim: int, head_dim: int) -> dict:
+    """Gemma 3 as configuration, following llama.cpp (q/k norm and NEOX RoPE are set above): GeGLU, embeddings times sqrt(dim),
+    attention scale 1/sqrt(key_length) (HF's query_pre_attn_scalar; the 27B, 62 layers, uses dim / heads), five
+    local layers of `sliding_window` keys per global one, logit softcapping only if the GGUF has it.
+    The GGUF's norm weights already hold Gemma's (1 + w): convert_hf_to_gguf.py adds the 1, so they apply as is."""
+    rope_scale = 1.0
+    if meta.get("gemma3.rope.scaling.type") == "linear":
+        rope_scale = float(meta.get("gemma3.rope.scaling.factor", 1.0))
+    n_heads = int(meta["gemma3.attention.head_count"])
+    scale_dim = dim / n_heads if int(meta.get("gemma3.block_count", 0)) == 62 else head_dim  # 27B: d / heads
+    return dict(
+        activation="gelu_tanh",
+        embed_scale=float(np.sqrt(np.float32(dim))),
+        attn_scale=float(1.0 / np.sqrt(np.float32(scale_dim))),
+        sliding_window=int(meta.get("gemma3.attention.sliding_window", 0)),
+        sliding_window_pattern=GEMMA3_SWA_PATTERN,
+        rope_theta_local=GEMMA3_ROPE_BASE_LOCAL,
+        rope_scale=rope_scale,
+        final_softcap=float(meta.get("gemma3.final_logit_softcapping", 0.0) or 0.0),
     )
 
 
@@ -203,6 +232,7 @@ def load_gguf(path: str, dtype: str = "float32", group_size: int = 128):
         return jnp.asarray(dequantize_tensor(need(name)).reshape(-1), jnp.float32)
 
     layers = []
+    sandwich = cfg.arch == "gemma3"
     for i in range(cfg.n_layers):
         p = f"blk.{i}."
         wqkv = fuse_n([import_linear(need(p + f"attn_{n}.weight"), group_size) for n in "qkv"])
@@ -220,6 +250,8 @@ def load_gguf(path: str, dtype: str = "float32", group_size: int = 128):
                 bqkv=bqkv,
                 q_norm=vec(p + "attn_q_norm.weight") if cfg.qk_norm else None,
                 k_norm=vec(p + "attn_k_norm.weight") if cfg.qk_norm else None,
+                post_attn_norm=vec(p + "post_attention_norm.weight") if sandwich else None,
+                post_ffn_norm=vec(p + "post_ffw_norm.weight") if sandwich else None,
             )
         )
     emb_t = need("token_embd.weight")
