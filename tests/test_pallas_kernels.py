@@ -249,6 +249,41 @@ def test_int8_matmul_registered_and_linear():
     assert rel(linear(x, w, kernels=KernelSet.resolve(None, backend="cpu")), ref) < TOL[jnp.float32]
 
 
+# ------------------------------------------------------------------------------- weights imported from GGUF types
+# group 16 (Q6_K, Q2_K, Q3_K), float32 scales (K-quants), int8 with mins (Q5_1, Q5_K: kernel + `mins_term`)
+GGUF_KINDS = ["Q4_K", "Q2_K", "Q3_K", "Q6_K", "Q5_K", "Q5_1", "Q5_0"]
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+@pytest.mark.parametrize("m,dt", [(1, jnp.float32), (5, jnp.bfloat16)])
+def test_gguf_types_through_pallas(kind, m, dt):
+    from gguf_factory import fake_tensor
+    from lucebox_jax.gguf_quants import import_linear
+
+    t, ref_w = fake_tensor(kind, out=72, n_in=512, seed=m)
+    w = import_linear(t)
+    op = "qmatmul" if isinstance(w, QuantArray) else "qmatmul8"
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 512)), dt)
+    ref = jnp.dot(x.astype(jnp.float32), jnp.asarray(ref_w.T), precision=jax.lax.Precision.HIGHEST)
+    y = ops.get(op, "pallas")(x, w)
+    assert y.shape == (m, 72) and y.dtype == dt
+    assert rel(y, ref) < TOL[dt]
+    assert rel(y, ops.get(op, "xla")(x, w)) < TOL[dt]
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_int4_group16_float32_scales_variants(sym):
+    """Group 16 with float32 scales under the knob variants: block_k below, equal to and above g, asm decode."""
+    rng = np.random.default_rng(16 + sym)
+    w = rand_quant(rng, 512, 80, 16, sym)
+    w = w.replace(scales=w.scales.astype(jnp.float32), mins=None if sym else w.mins.astype(jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=16)
+    for kw in (dict(block_k=16), dict(block_k=64, decode="asm", split_k=2), dict(block_k=8, mode="dot_t")):
+        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=16, interpret=True, **kw)
+        assert rel(y, ref) < TOL[jnp.bfloat16], kw
+
+
 # ------------------------------------------------------------------------------------------------ GPU (compiled)
 # Knob sets the `gpu` tests compile; each also runs here in interpret mode (small shapes) so that a combination the
 # wrapper rejects (e.g. a block_k that does not divide K) fails in CI, not on the device.
