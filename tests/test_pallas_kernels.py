@@ -380,3 +380,20 @@ def test_embedded_model_same_greedy_tokens_with_pallas(smol):
     want = smol.generate(prompt, sp)[0].outputs[0].token_ids
     assert len(want) == 8
     assert llm.generate(prompt, sp)[0].outputs[0].token_ids == want
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_gpu_gguf_types(kind, m):
+    """The compiled kernels on every imported GGUF format (group 16, float32 scales, int8 mins), Gemma-like K."""
+    from gguf_factory import fake_tensor
+    from lucebox_jax.gguf_quants import import_linear
+
+    t, ref_w = fake_tensor(kind, out=640, n_in=2048, seed=m)
+    w = import_linear(t)
+    op = "qmatmul" if isinstance(w, QuantArray) else "qmatmul8"
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 2048)), jnp.bfloat16)
+    ref = jnp.dot(x.astype(jnp.float32), jnp.asarray(ref_w.T), precision=jax.lax.Precision.HIGHEST)
+    assert rel(ops.get(op, "pallas")(x, w), ref) < TOL[jnp.bfloat16]
