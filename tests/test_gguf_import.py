@@ -5,6 +5,7 @@ clearly."""
 import logging
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from gguf_factory import write_tiny_gguf
 from lucebox_jax import gguf_loader as gl
 from lucebox_jax.errors import ModelNotFoundError, UnsupportedModelError
-from lucebox_jax.model import init_cache, forward
+from lucebox_jax.model import EmbedTable, init_cache, forward
 from lucebox_jax.ops import KernelSet
 from lucebox_jax.quant import Int8Array, QuantArray, dequantize_np
 
@@ -92,6 +93,14 @@ def test_k_quant_model_loads_exactly(tmp_path):
     np.testing.assert_array_equal(dequantize_np(w.head), emb.T)
     assert w.embed.table.dtype == jnp.int8
     np.testing.assert_array_equal(np.asarray(w.embed.lookup(jnp.arange(emb.shape[0]), jnp.float32)), emb)
+    # the forward over these formats (int8 with mins, group 16, float32 scales) equals it over dense copies
+    dense = jax.tree_util.tree_map(lambda a: jnp.asarray(dequantize_np(a)), w, is_leaf=lambda a: isinstance(
+        a, (QuantArray, Int8Array)))
+    dense = dense.replace(embed=EmbedTable(jnp.asarray(emb)))
+    toks, start = jnp.arange(8)[None], jnp.zeros((1,), jnp.int32)
+    got, _ = forward(cfg, KernelSet(), w, init_cache(cfg, 1, 16), toks, start)
+    ref, _ = forward(cfg, KernelSet(), dense, init_cache(cfg, 1, 16), toks, start)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-4)
 
 
 def test_f16_kept_dense(mixed_gguf):

