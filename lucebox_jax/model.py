@@ -23,16 +23,20 @@ from .quant import linear
 
 @struct.dataclass
 class EmbedTable:
-    """Token embeddings by row: dense [V, D], or int8 codes [V, D] with float16 scales [V, D // g] (GGUF Q8_0)."""
+    """Token embeddings by row: dense [V, D], or int8 codes [V, D] with scales [V, D // g] (and mins: row value =
+    scale * q + min), the exact import of any quantized GGUF table (Q8_0, Q6_K, Q4_K, ...)."""
 
     table: jax.Array
     scales: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=32)
+    mins: jax.Array | None = None
 
     def lookup(self, ids: jax.Array, dtype) -> jax.Array:
         rows = self.table[ids].astype(jnp.float32)
         if self.scales is not None:
             rows = rows * jnp.repeat(self.scales[ids].astype(jnp.float32), self.group_size, axis=-1)
+        if self.mins is not None:
+            rows = rows + jnp.repeat(self.mins[ids].astype(jnp.float32), self.group_size, axis=-1)
         return rows.astype(dtype)
 
 
