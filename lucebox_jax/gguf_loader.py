@@ -14,6 +14,7 @@ import os
 from collections import Counter
 
 import jax.numpy as jnp
+import numpy as np
 
 from .config import ARCHITECTURES, ModelConfig
 from .errors import ModelNotFoundError, UnsupportedModelError

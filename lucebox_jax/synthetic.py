@@ -45,13 +45,17 @@ def random_int4(key, k: int, n: int, group_size: int, asymmetric: bool, scale: f
 
 
 def random_weights(cfg: ModelConfig, key=None, group_size: int = 128, asymmetric: bool = False,
-                   head_int4: bool = False) -> Weights:
-    """Random int4 linear layers (std ~ 1/sqrt(fan_in)), int8 embedding table and head."""
+                   head_int4: bool = False, linear_bits: int = 4) -> Weights:
+    """Random int4 linear layers (std ~ 1/sqrt(fan_in)), int8 embedding table and head. linear_bits=8: int8 linear
+    layers of group 32 instead (the layout of a Q4_K_M file, whose Q5_0/Q6_K/Q8_0 tensors import as int8)."""
     key = jax.random.key(0) if key is None else key
     keys = iter(jax.random.split(key, 8 * cfg.n_layers + 8))
     d, f = cfg.dim, cfg.ffn_dim
 
     def lin(k, n):
+        if linear_bits == 8:
+            codes = jax.random.randint(next(keys), (k, n), -127, 128, jnp.int32).astype(jnp.int8)
+            return Int8Array(codes=codes, scales=jnp.full((k // 32, n), (k ** -0.5) / 64, jnp.float16), group_size=32)
         return random_int4(next(keys), k, n, group_size, asymmetric, scale=k ** -0.5)
 
     layers = []
