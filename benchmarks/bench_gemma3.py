@@ -104,10 +104,10 @@ def main() -> None:
             json.dump(hf_worker(batches, args.small), f, indent=1)
         return
     env = dict(os.environ, OUT=out_dir)
-    ours_cmd = [sys.executable, os.path.join(HERE, "bench_decode.py"), "--models", "tiny" if args.small else
-                "gemma3_270m", "--batches", args.batches, "--ctx", "8" if args.small else str(P), "--tokens",
-                "6" if args.small else str(N), "--reps", "3", "--linear-bits", "4" if args.small else "8",
-                "--kernel-sets", "qmatmul=pallas" if not args.small else "qmatmul=xla"]
+    ours_cmd = [sys.executable, os.path.join(HERE, "bench_decode.py")] + (
+        ["--small"] if args.small else
+        ["--models", "gemma3_270m", "--batches", args.batches, "--ctx", str(P), "--tokens", str(N), "--reps", "3",
+         "--linear-bits", "8", "--kernel-sets", "qmatmul=pallas"])
     t0 = time.time()
     cap_ours, cap_hf = (int(x) for x in args.cap.split(","))
     rc_ours, log_ours = run_capped(ours_cmd, cap_ours, env)
