@@ -35,7 +35,8 @@ SMALL = dict(GEMMA3_270M, vocab_size=512, hidden_size=64, intermediate_size=128,
              head_dim=16, sliding_window=8)
 
 
-def hf_worker(batches: list[int], small: bool) -> dict:
+def hf_worker(batches: list[int], small: bool, path: str) -> None:
+    """Writes `path` after each batch, so a time cap loses only the batch it cut."""
     import torch
     import transformers
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
@@ -79,7 +80,8 @@ def hf_worker(batches: list[int], small: bool) -> dict:
         except Exception as e:  # noqa: BLE001 - keep the other batch
             out["runs"][str(b)] = {"batch": b, "error": f"{type(e).__name__}: {e}"[:300]}
         print(json.dumps(out["runs"][str(b)]), flush=True)
-    return out
+        with open(path, "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def run_capped(cmd: list[str], cap: int, env: dict) -> tuple[int, str]:
@@ -94,14 +96,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU (a smoke run)")
     ap.add_argument("--batches", default="1,32")
-    ap.add_argument("--cap", default="150,110", help="seconds allowed to ours, transformers")
+    ap.add_argument("--cap", default="120,120", help="seconds allowed to ours, transformers")
     ap.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
     out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench_gemma3_")
     if args.hf_worker:
-        with open(os.path.join(out_dir, "hf_gemma3.json"), "w") as f:
-            json.dump(hf_worker(batches, args.small), f, indent=1)
+        hf_worker(batches, args.small, os.path.join(out_dir, "hf_gemma3.json"))
         return
     env = dict(os.environ, OUT=out_dir)
     ours_cmd = [sys.executable, os.path.join(HERE, "bench_decode.py")] + (
