@@ -93,9 +93,9 @@ GEMMA3_ROPE_BASE_LOCAL = 10000.0
 
 
 def _gemma3_settings(meta: dict, dim: int, head_dim: int) -> dict:
-    """Gemma 3 as configuration, following llama.cpp (q/k norm and NEOX RoPE are set above): GeGLU, embeddings times sqrt(dim),
-    attention scale 1/sqrt(key_length) (HF's query_pre_attn_scalar; the 27B, 62 layers, uses dim / heads), five
-    local layers of `sliding_window` keys per global one, logit softcapping only if the GGUF has it.
+    """Gemma 3 as configuration, following llama.cpp (q/k norm and NEOX RoPE are set above): GeGLU, embeddings times
+    sqrt(dim), attention scale 1/sqrt(key_length) (HF's query_pre_attn_scalar; the 27B, 62 layers, uses dim / heads),
+    five local layers of `sliding_window` keys per global one, logit softcapping only if the GGUF has it.
     The GGUF's norm weights already hold Gemma's (1 + w): convert_hf_to_gguf.py adds the 1, so they apply as is."""
     rope_scale = 1.0
     if meta.get("gemma3.rope.scaling.type") == "linear":

@@ -4,7 +4,8 @@ On the CPU they run in Pallas interpret mode (slow; for tests); the CPU default 
 is set only for ops where the H200 measurement (benchmarks/RESULTS.md, "Kernels (issue 3)") shows the Pallas kernel
 beating XLA.  Shapes a kernel does not handle (non-power-of-two head dim or group size) fall back to the XLA
 implementation, and so do sliding-window layers whose window is shorter than the cache (the attention kernels have
-no window; a window at least as long as the cache masks nothing).  A failing Pallas import logs a warning and registers nothing.
+no window; a window at least as long as the cache masks nothing).  A failing Pallas import logs a warning and
+registers nothing.
 """
 
 from __future__ import annotations
