@@ -4,7 +4,8 @@ In one run: the copy bandwidth (JAX device-to-device copy, bytes read + written)
 the on-device generation loop (`engine.generate_loop`) at a fixed context, reporting ms/token, tok/s, the bytes one
 step must read (weights + the KV cache up to the context) and that over the measured copy bandwidth. Models use
 random weights at real shapes (speed does not depend on weight values): SmolLM2-135M (the embedded model's shapes)
-and Llama-3-8B, int4 group 128. Also counts the kernels one compiled decode step launches.
+and Llama-3-8B, int4 group 128; also `gemma3_270m` (group 32; `--linear-bits 8` for int8 layers as in its Q4_K_M
+file; benchmarks/bench_gemma3.py runs it beside transformers). Also counts the kernels one compiled decode step launches.
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py                       # GPU defaults
     python benchmarks/bench_decode.py --small                                   # CPU smoke run
@@ -188,6 +189,8 @@ def main():
     ap.add_argument("--kernel-sets", default=None, help="';'-separated specs, e.g. 'qmatmul=xla;qmatmul=pallas'")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--xla-batches", default="1,32", help="batches that also run the XLA baseline kernels")
+    ap.add_argument("--linear-bits", type=int, choices=(4, 8), default=4,
+                    help="random int4 (default) or int8 g32 linear layers (8: a Q4_K_M file's layout)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -210,8 +213,9 @@ def main():
         ["", "qmatmul=xla,attention_decode=xla,attention_prefill=xla"] if backend == "gpu" else [""])
     for model in args.models.split(","):
         cfg = PRESETS[model].replace(dtype=dtype)
-        weights = random_weights(cfg, jax.random.key(0), group_size=32 if model in ("tiny", "smollm2-135m") else 128,
-                                 asymmetric=model in ("tiny", "smollm2-135m"))
+        small = model in ("tiny", "smollm2-135m", "gemma3_270m")
+        weights = random_weights(cfg, jax.random.key(0), group_size=32 if small else 128, asymmetric=small,
+                                 linear_bits=args.linear_bits)
         jax.block_until_ready(weights)
         seen_specs = set()
         for spec in specs:

@@ -33,7 +33,7 @@ from .quant import Int8Array, QuantArray
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: full-source SHA-256, digest over the header's model-changing content
+FORMAT_VERSION = 3  # 2: full-source SHA-256, digest over the header; 3: int8 mins, float32 scales
 HEADER = "lucebox_checkpoint.json"
 ARRAYS = "arrays"
 
@@ -41,13 +41,9 @@ ARRAYS = "arrays"
 def _node_to_flat(name: str, w, out: dict, spec: dict):
     if w is None:
         return
-    if isinstance(w, QuantArray):
-        spec[name] = {"type": "int4", "group_size": w.group_size, "mins": w.mins is not None}
-        out[name + ".codes"], out[name + ".scales"] = w.codes, w.scales
-        if w.mins is not None:
-            out[name + ".mins"] = w.mins
-    elif isinstance(w, Int8Array):
-        spec[name] = {"type": "int8", "group_size": w.group_size}
+    mins = getattr(w, "mins", None)
+    if isinstance(w, (QuantArray, Int8Array)):
+        spec[name] = {"type": "int4" if isinstance(w, QuantArray) else "int8", "group_size": w.group_size}
         out[name + ".codes"], out[name + ".scales"] = w.codes, w.scales
     elif isinstance(w, EmbedTable):
         spec[name] = {"type": "embed", "group_size": w.group_size, "scales": w.scales is not None}
@@ -57,6 +53,10 @@ def _node_to_flat(name: str, w, out: dict, spec: dict):
     else:
         spec[name] = {"type": "dense"}
         out[name] = w
+        return
+    spec[name]["mins"] = mins is not None
+    if mins is not None:
+        out[name + ".mins"] = mins
 
 
 def _node_from_flat(name: str, arrays: dict, spec: dict):
@@ -64,17 +64,19 @@ def _node_from_flat(name: str, arrays: dict, spec: dict):
     if s is None:
         return None
     a = lambda k: jnp.asarray(arrays[k])  # noqa: E731
+    mins = a(name + ".mins") if s.get("mins") else None
     if s["type"] == "int4":
-        return QuantArray(a(name + ".codes"), a(name + ".scales"), a(name + ".mins") if s["mins"] else None,
-                          group_size=s["group_size"])
+        return QuantArray(a(name + ".codes"), a(name + ".scales"), mins, group_size=s["group_size"])
     if s["type"] == "int8":
-        return Int8Array(a(name + ".codes"), a(name + ".scales"), group_size=s["group_size"])
+        return Int8Array(a(name + ".codes"), a(name + ".scales"), mins, group_size=s["group_size"])
     if s["type"] == "embed":
-        return EmbedTable(a(name + ".table"), a(name + ".scales") if s["scales"] else None, group_size=s["group_size"])
+        return EmbedTable(a(name + ".table"), a(name + ".scales") if s["scales"] else None, group_size=s["group_size"],
+                          mins=mins)
     return a(name)
 
 
-LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm")
+LAYER_FIELDS = ("attn_norm", "wqkv", "wo", "ffn_norm", "w_gate_up", "w_down", "bqkv", "q_norm", "k_norm",
+                "post_attn_norm", "post_ffn_norm")
 
 
 def weights_to_flat(w: Weights) -> tuple[dict, dict]:

@@ -15,8 +15,8 @@ from .errors import LuceboxError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="run.py", description="lucebox_jax: int4 LLM inference on JAX/XLA")
     p.add_argument("--prompt", "-p", help="prompt text (chat template applied unless --raw)")
-    p.add_argument("--model", "-m", help="a .gguf file or a converted checkpoint folder (default: embedded "
-                                        "SmolLM2-135M-Instruct Q4_1)")
+    p.add_argument("--model", "-m", help="a .gguf file, a converted checkpoint folder or a known model name "
+                                        "(gemma3-270m; default: embedded SmolLM2-135M-Instruct Q4_1)")
     p.add_argument("--system", help="system message for the chat template")
     p.add_argument("--raw", action="store_true", help="send the prompt as-is, without the chat template")
     p.add_argument("--max-tokens", "-n", type=int, default=256, help="most tokens to generate (default 256)")

@@ -3,7 +3,9 @@
 On the CPU they run in Pallas interpret mode (slow; for tests); the CPU default stays `xla`.  `default_on=("gpu",)`
 is set only for ops where the H200 measurement (benchmarks/RESULTS.md, "Kernels (issue 3)") shows the Pallas kernel
 beating XLA.  Shapes a kernel does not handle (non-power-of-two head dim or group size) fall back to the XLA
-implementation.  A failing Pallas import logs a warning and registers nothing.
+implementation, and so do sliding-window layers whose window is shorter than the cache (the attention kernels have
+no window; a window at least as long as the cache masks nothing).  A failing Pallas import logs a warning and
+registers nothing.
 """
 
 from __future__ import annotations
@@ -56,14 +58,17 @@ else:
             return kernels_xla.qmatmul8_xla(x, w)
         return qmatmul8_pallas(x, w, interpret=_interpret())
 
+    def _windowed(k, window) -> bool:
+        return window is not None and window < k.shape[2]
+
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
-    def attention_decode_pallas_op(q, k, v, lengths, *, scale):
-        if not _pow2(q.shape[-1]):
-            return kernels_xla.attention_decode_xla(q, k, v, lengths, scale=scale)
+    def attention_decode_pallas_op(q, k, v, lengths, *, scale, window=None):
+        if not _pow2(q.shape[-1]) or _windowed(k, window):
+            return kernels_xla.attention_decode_xla(q, k, v, lengths, scale=scale, window=window)
         return attention_decode_pallas(q, k, v, lengths, scale=scale, interpret=_interpret())
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
-    def attention_prefill_pallas_op(q, k, v, start, *, scale):
-        if not _pow2(q.shape[-1]):
-            return kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale)
+    def attention_prefill_pallas_op(q, k, v, start, *, scale, window=None):
+        if not _pow2(q.shape[-1]) or _windowed(k, window):
+            return kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale, window=window)
         return attention_prefill_pallas(q, k, v, start, scale=scale, interpret=_interpret())

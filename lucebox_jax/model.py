@@ -1,6 +1,8 @@
 """The transformer (RMSNorm, RoPE, GQA attention, SwiGLU MLP) as pure functions over pytree weights and a static KV
-cache. Llama, Qwen2 (qkv bias) and Qwen3 (q/k norm) share this one forward; every linear layer goes through
-`quant.linear`, and attention through the kernel registry, so the model never branches on quantization or kernel.
+cache. Llama, Qwen2 (qkv bias), Qwen3 (q/k norm) and Gemma 3 (GeGLU, sandwich norms, q/k norm, scaled embeddings,
+sliding-window layers with their own RoPE base) share this one forward, differing only by configuration; every linear
+layer goes through `quant.linear`, and attention through the kernel registry, so the model never branches on
+quantization or kernel.
 
 Layers are a tuple of per-layer weights unrolled inside one jit: on the H200 a `lax.scan` over stacked layer weights
 ran 3-4x slower for decode GEMVs."""
@@ -21,16 +23,20 @@ from .quant import linear
 
 @struct.dataclass
 class EmbedTable:
-    """Token embeddings by row: dense [V, D], or int8 codes [V, D] with float16 scales [V, D // g] (GGUF Q8_0)."""
+    """Token embeddings by row: dense [V, D], or int8 codes [V, D] with scales [V, D // g] (and mins: row value =
+    scale * q + min), the exact import of any quantized GGUF table (Q8_0, Q6_K, Q4_K, ...)."""
 
     table: jax.Array
     scales: jax.Array | None = None
     group_size: int = struct.field(pytree_node=False, default=32)
+    mins: jax.Array | None = None
 
     def lookup(self, ids: jax.Array, dtype) -> jax.Array:
         rows = self.table[ids].astype(jnp.float32)
         if self.scales is not None:
             rows = rows * jnp.repeat(self.scales[ids].astype(jnp.float32), self.group_size, axis=-1)
+        if self.mins is not None:
+            rows = rows + jnp.repeat(self.mins[ids].astype(jnp.float32), self.group_size, axis=-1)
         return rows.astype(dtype)
 
 
@@ -45,6 +51,8 @@ class LayerWeights:
     bqkv: jax.Array | None = None  # Qwen2
     q_norm: jax.Array | None = None  # Qwen3, [hd]
     k_norm: jax.Array | None = None
+    post_attn_norm: jax.Array | None = None  # Gemma sandwich norms: on the attention / FFN output before the residual
+    post_ffn_norm: jax.Array | None = None
 
 
 @struct.dataclass
@@ -85,17 +93,21 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}
+
+
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope(x, positions, theta, interleaved):
-    """x [B, T, H, hd], positions [B, T]. interleaved: rotate pairs (2i, 2i+1) (GGUF llama); else (i, i + hd/2)."""
+def rope(x, positions, theta, interleaved, pos_scale=1.0):
+    """x [B, T, H, hd], positions [B, T]. interleaved: rotate pairs (2i, 2i+1) (GGUF llama); else (i, i + hd/2).
+    pos_scale: linear RoPE scaling (positions times 1 / factor)."""
     hd = x.shape[-1]
     inv = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))  # [hd/2]
-    ang = positions.astype(jnp.float32)[:, :, None, None] * inv  # [B, T, 1, hd/2]
+    ang = (positions.astype(jnp.float32) * pos_scale)[:, :, None, None] * inv  # [B, T, 1, hd/2]
     cos, sin = jnp.cos(ang), jnp.sin(ang)
     xf = x.astype(jnp.float32)
     if interleaved:
@@ -122,9 +134,11 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     b, t = tokens.shape
     dt = jnp.dtype(cfg.dtype)
     hd, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
-    scale = 1.0 / math.sqrt(hd)
+    scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(hd)
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     x = w.embed.lookup(tokens, dt)
+    if cfg.embed_scale != 1.0:
+        x = (x.astype(jnp.float32) * cfg.embed_scale).astype(dt)
     new_k, new_v = [], []
     decode = t == 1
     attn = ops.get("attention_decode" if decode else "attention_prefill",
@@ -138,23 +152,30 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         if lw.q_norm is not None:
             q = rms_norm(q, lw.q_norm, cfg.rms_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_eps)
-        q = rope(q, positions, cfg.rope_theta, cfg.rope_interleaved)
-        k = rope(k, positions, cfg.rope_theta, cfg.rope_interleaved)
+        theta, pos_scale = cfg.layer_rope(i)
+        q = rope(q, positions, theta, cfg.rope_interleaved, pos_scale)
+        k = rope(k, positions, theta, cfg.rope_interleaved, pos_scale)
         kc = _write_kv(cache.k[i], k, start)
         vc = _write_kv(cache.v[i], v, start)
         new_k.append(kc)
         new_v.append(vc)
+        window = cfg.layer_window(i)
+        extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
         if decode:
-            o = attn(q[:, 0], kc, vc, start + 1, scale=scale)[:, None]
+            o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
         else:
-            o = attn(q, kc, vc, start, scale=scale)
-        x = x + linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
+            o = attn(q, kc, vc, start, scale=scale, **extra)
+        o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
+        x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
         h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
         gu = linear(h, lw.w_gate_up, kernels=kernels)
-        act = jax.nn.silu(gu[..., : cfg.ffn_dim].astype(jnp.float32)) * gu[..., cfg.ffn_dim :].astype(jnp.float32)
-        x = x + linear(act.astype(dt), lw.w_down, kernels=kernels)
+        act = _ACTIVATIONS[cfg.activation](gu[..., : cfg.ffn_dim].astype(jnp.float32))
+        o = linear((act * gu[..., cfg.ffn_dim :].astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
+        x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))
     if last_only is not None:
         x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, w.final_norm, cfg.rms_eps)
     logits = linear(x, w.head, kernels=kernels).astype(jnp.float32)
+    if cfg.final_softcap > 0:
+        logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
     return logits, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)

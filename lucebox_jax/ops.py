@@ -29,11 +29,13 @@ OP_SIGNATURES = {
     "qmatmul8": "fn(x [M, K], w: Int8Array [K, N]) -> [M, N] (x.dtype); int8 weights, e.g. a Q8_0 LM head",
     "attention_prefill": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], start [B] int32, *, scale) -> [B, T, Hq, D]; "
-        "query t of row b sits at absolute position start[b] + t and sees cache positions <= that"
+        "query t of row b sits at absolute position start[b] + t and sees cache positions <= that; "
+        "window=W (a static int, passed only for sliding-window layers) keeps the last W of them"
     ),
     "attention_decode": (
         "fn(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], lengths [B] int32, *, scale) -> [B, Hq, D]; "
-        "row b sees cache positions < lengths[b]"
+        "row b sees cache positions < lengths[b]; window=W (static, only for sliding-window layers) keeps the "
+        "last W of them"
     ),
 }
 

@@ -7,10 +7,14 @@ documents it:
   codes  uint8 [K // 2, N]   two 4-bit codes per byte, "half-split": the low nibble of byte (i, n) is the code of
                              row i, the high nibble the code of row i + K // 2 (so a kernel unpacks a byte tile into
                              two contiguous row tiles, no interleave)
-  scales float16 [K // g, N] one scale per group of g consecutive rows (along K, the reduction axis)
-  mins   float16 [K // g, N] or None
-  value  = scales * q + mins      (asymmetric, e.g. GGUF Q4_1: exact)
-  value  = scales * (q - 8)       (symmetric, mins is None, e.g. GGUF Q4_0: exact)
+  scales float16 or float32 [K // g, N] one scale per group of g consecutive rows (along K, the reduction axis)
+  mins   same dtype and shape as scales, or None
+  value  = scales * q + mins      (asymmetric, e.g. GGUF Q4_1, Q4_K, Q2_K: exact)
+  value  = scales * (q - 8)       (symmetric, mins is None, e.g. GGUF Q4_0, Q3_K: exact)
+
+The int8 layout (`Int8Array`): codes int8 [K, N], scales/mins [K // g, N], value = scales * q (+ mins).
+Scales are float16 where every scale of the tensor is a float16 value, else float32 (a K-quant's d * sc needs up to
+19 significant bits): GGUF imports keep the exact products, never a rounded scale (`lucebox_jax/gguf_quants.py`).
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ class QuantArray:
     """An int4 [K, N] weight with per-group scales (and optional mins) along K."""
 
     codes: jax.Array  # uint8 [K // 2, N]
-    scales: jax.Array  # float16 [K // g, N]
-    mins: jax.Array | None  # float16 [K // g, N] or None (symmetric)
+    scales: jax.Array  # float16 or float32 [K // g, N]
+    mins: jax.Array | None  # like scales, or None (symmetric)
     group_size: int = struct.field(pytree_node=False, default=32)
 
     @property
@@ -36,16 +40,17 @@ class QuantArray:
 
     @property
     def nbytes(self) -> int:
-        n = self.codes.size + self.scales.size * 2
-        return n + (self.mins.size * 2 if self.mins is not None else 0)
+        return _nbytes(self.codes, self.scales, self.mins)
 
 
 @struct.dataclass
 class Int8Array:
-    """An int8 [K, N] weight with per-group float16 scales along K (GGUF Q8_0: value = scale * q, exact)."""
+    """An int8 [K, N] weight with per-group scales (and optional mins) along K: value = scale * q (+ min).
+    GGUF Q8_0 / Q5_0 / Q6_K import symmetric, Q5_1 / Q5_K with mins, all exactly."""
 
     codes: jax.Array  # int8 [K, N]
-    scales: jax.Array  # float16 [K // g, N]
+    scales: jax.Array  # float16 or float32 [K // g, N]
+    mins: jax.Array | None = None  # like scales, or None (symmetric)
     group_size: int = struct.field(pytree_node=False, default=32)
 
     @property
@@ -54,7 +59,12 @@ class Int8Array:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.size + self.scales.size * 2
+        return _nbytes(self.codes, self.scales, self.mins)
+
+
+def _nbytes(*arrays) -> int:
+    """Bytes of the given arrays (None skipped; works on abstract ShapeDtypeStructs too)."""
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in arrays if a is not None)
 
 
 def unpack_int4(codes):
@@ -85,7 +95,10 @@ def dequantize(w, dtype=jnp.float32):
         return (s * q + jnp.repeat(w.mins.astype(jnp.float32), w.group_size, axis=0)).astype(dtype)
     if isinstance(w, Int8Array):
         s = jnp.repeat(w.scales.astype(jnp.float32), w.group_size, axis=0)
-        return (w.codes.astype(jnp.float32) * s).astype(dtype)
+        v = w.codes.astype(jnp.float32) * s
+        if w.mins is not None:
+            v = v + jnp.repeat(w.mins.astype(jnp.float32), w.group_size, axis=0)
+        return v.astype(dtype)
     return jnp.asarray(w, dtype)
 
 
@@ -99,7 +112,10 @@ def dequantize_np(w) -> np.ndarray:
         return s * q + np.repeat(np.asarray(w.mins, np.float32), w.group_size, axis=0)
     if isinstance(w, Int8Array):
         s = np.repeat(np.asarray(w.scales, np.float32), w.group_size, axis=0)
-        return np.asarray(w.codes, np.float32) * s
+        v = np.asarray(w.codes, np.float32) * s
+        if w.mins is not None:
+            v = v + np.repeat(np.asarray(w.mins, np.float32), w.group_size, axis=0)
+        return v
     return np.asarray(w, np.float32)
 
 
@@ -140,6 +156,56 @@ def quantize_int8(w: np.ndarray, group_size: int = 32) -> Int8Array:
     sf = np.where(scale == 0, 1.0, scale.astype(np.float32))
     q = np.clip(np.rint(g / sf[:, None, :]), -127, 127).astype(np.int8)
     return Int8Array(codes=jnp.asarray(q.reshape(k, n)), scales=jnp.asarray(scale), group_size=group_size)
+
+
+def regroup(w, group_size: int):
+    """The same int4/int8 weight with finer groups (`group_size` divides w.group_size): scales/mins repeated, exact."""
+    if w.group_size == group_size:
+        return w
+    if w.group_size % group_size:
+        raise ValueError(f"cannot regroup group size {w.group_size} into {group_size}")
+    r = w.group_size // group_size
+    rep = lambda a: None if a is None else jnp.repeat(a, r, axis=0)  # noqa: E731
+    return w.replace(scales=rep(w.scales), mins=rep(w.mins), group_size=group_size)
+
+
+def int4_as_int8(w: QuantArray) -> Int8Array:
+    """An int4 weight as int8, exactly: symmetric codes become q - 8, asymmetric keep q and their mins."""
+    q = unpack_int4(w.codes).astype(jnp.int8)
+    if w.mins is None:
+        q = q - jnp.int8(8)
+    return Int8Array(codes=q, scales=w.scales, mins=w.mins, group_size=w.group_size)
+
+
+def _as_asymmetric(w, dtype):
+    """(scales, mins) in `dtype` with mins present: an int4 symmetric weight's s (q - 8) is s q + (-8 s), exact in
+    float32 and in float16 short of overflow; an int8 symmetric weight's min is 0."""
+    s = w.scales.astype(dtype)
+    if w.mins is not None:
+        return s, w.mins.astype(dtype)
+    if isinstance(w, QuantArray):
+        return s, (-8 * w.scales.astype(jnp.float32)).astype(dtype)
+    return s, jnp.zeros_like(s)
+
+
+def concat_n(ws: list):
+    """Concatenate weights along N (q|k|v, gate|up) so one matmul does the work of several, exactly: groups become
+    the finest group size, scales float32 if any is, int4 becomes int8 when an int8 part is present, and anything
+    mixed with a dense part becomes dense float32."""
+    if any(not isinstance(w, (QuantArray, Int8Array)) for w in ws):
+        return jnp.concatenate([dequantize(w, jnp.float32) for w in ws], axis=1)
+    if any(isinstance(w, Int8Array) for w in ws):
+        ws = [int4_as_int8(w) if isinstance(w, QuantArray) else w for w in ws]
+    g = min(w.group_size for w in ws)
+    ws = [regroup(w, g) for w in ws]
+    dtype = jnp.result_type(*[w.scales.dtype for w in ws])
+    if any(w.mins is not None for w in ws):
+        scales, mins = zip(*[_as_asymmetric(w, dtype) for w in ws])
+        mins = jnp.concatenate(mins, axis=1)
+    else:
+        scales, mins = [w.scales.astype(dtype) for w in ws], None
+    return type(ws[0])(codes=jnp.concatenate([w.codes for w in ws], axis=1), scales=jnp.concatenate(scales, axis=1),
+                       mins=mins, group_size=g)
 
 
 def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
@@ -185,6 +251,9 @@ __all__ = [
     "dequantize_np",
     "quantize_int4",
     "quantize_int8",
+    "regroup",
+    "int4_as_int8",
+    "concat_n",
     "linear",
     "weight_nbytes",
 ]

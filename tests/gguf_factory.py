@@ -23,6 +23,42 @@ def byte_tokens() -> list[str]:
     return [table[b] for b in range(256)]
 
 
+# byte offsets of the float16 super-block scales in the block types gguf can only dequantize
+F16_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,),
+              "IQ4_XS": (0,)}
+
+
+def quantized_bytes(arr: np.ndarray, kind: str, rng) -> np.ndarray:
+    """Raw GGUF blocks [out, bytes] of type `kind` for a float32 [out, in] array: gguf.quants.quantize where gguf
+    implements it, else random bytes (every bit pattern is a valid block) with sane random float16 scales scaled to
+    `arr`'s magnitude, so gguf.quants.dequantize is the reference either way."""
+    qt = T[kind]
+    try:
+        return gguf.quants.quantize(arr, qt)
+    except NotImplementedError:
+        pass
+    block, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    out, n_in = arr.shape
+    raw = rng.integers(0, 256, (out, n_in // block, nbytes), dtype=np.uint8)
+    amp = float(np.abs(arr).max()) / 64
+    for off in F16_FIELDS[kind]:
+        d = (rng.uniform(0.25, 1.0, raw.shape[:2]) * amp).astype(np.float16)
+        raw[..., off:off + 2] = d.view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(out, -1)
+
+
+def fake_tensor(kind: str, out: int = 48, n_in: int = 512, seed: int = 0):
+    """A GGUFReader-like tensor of type `kind` (name, tensor_type, data, shape) for an [out, in] weight, built by
+    `quantized_bytes`, and its reference values float32 [out, in] from gguf.quants.dequantize."""
+    import types
+
+    rng = np.random.default_rng(seed)
+    arr = (rng.standard_normal((out, n_in)) * n_in ** -0.5).astype(np.float32)
+    raw = quantized_bytes(arr, kind, rng)
+    t = types.SimpleNamespace(name=f"blk.0.test_{kind}.weight", tensor_type=T[kind], data=raw, shape=(n_in, out))
+    return t, gguf.quants.dequantize(raw, T[kind])
+
+
 def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None, tied: bool = True, seed: int = 0,
                     dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv: int = 2, ffn: int = 128,
                     default_type: str = "Q4_1", emb_type: str = "Q8_0") -> dict:
@@ -62,9 +98,10 @@ def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None, tied: 
         elif kind == "F16":
             w.add_tensor(name, arr.astype(np.float16))
         else:
-            q = gguf.quants.quantize(arr, qt)
+            q = quantized_bytes(arr, kind, rng)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qt)
-        written[name] = gguf.quants.dequantize(gguf.quants.quantize(arr, qt), qt) if kind not in ("F32",) else arr
+            arr = gguf.quants.dequantize(q, qt)
+        written[name] = arr
 
     def norm(name, n):
         arr = (1.0 + 0.1 * rng.standard_normal(n)).astype(np.float32)

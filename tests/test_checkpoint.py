@@ -85,3 +85,23 @@ def test_bad_header_and_missing(ck_env, tmp_path):
     with pytest.raises(ModelNotFoundError, match="missing.gguf"):
         load_model(str(tmp_path / "missing.gguf"))
     shutil.rmtree(folder)
+
+
+def test_k_quant_checkpoint_round_trips(tmp_path, monkeypatch):
+    """int8 weights with mins (Q5_K, Q5_1 embedding), float32 scales (K-quants) and group 16 survive save/load."""
+    from lucebox_jax.quant import Int8Array, dequantize_np
+
+    monkeypatch.setenv("LUCEBOX_CHECKPOINTS", str(tmp_path / "ck"))
+    src = tmp_path / "kq.gguf"
+    write_tiny_gguf(src, types={"attn_output": "Q5_K", "ffn_down": "Q6_K", "ffn_gate": "Q2_K", "ffn_up": "Q2_K"},
+                    dim=256, ffn=256, emb_type="Q5_1", seed=5)
+    _, w1, _, how1 = load_model(str(src))
+    _, w2, _, how2 = load_model(str(src))
+    assert "converted" in how1 and how2.startswith("checkpoint")
+    a, b = flat(w1), flat(w2)
+    assert a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+    wo = w2.layers[0].wo
+    assert isinstance(wo, Int8Array) and wo.mins is not None and wo.scales.dtype == np.float32
+    assert w2.layers[0].w_down.group_size == 16 and w2.layers[0].w_gate_up.group_size == 16
+    assert w2.embed.mins is not None
+    np.testing.assert_array_equal(dequantize_np(wo), dequantize_np(w1.layers[0].wo))

@@ -249,6 +249,41 @@ def test_int8_matmul_registered_and_linear():
     assert rel(linear(x, w, kernels=KernelSet.resolve(None, backend="cpu")), ref) < TOL[jnp.float32]
 
 
+# ------------------------------------------------------------------------------- weights imported from GGUF types
+# group 16 (Q6_K, Q2_K, Q3_K), float32 scales (K-quants), int8 with mins (Q5_1, Q5_K: kernel + `mins_term`)
+GGUF_KINDS = ["Q4_K", "Q2_K", "Q3_K", "Q6_K", "Q5_K", "Q5_1", "Q5_0"]
+
+
+@pytest.mark.parametrize("kind", GGUF_KINDS)
+@pytest.mark.parametrize("m,dt", [(1, jnp.float32), (5, jnp.bfloat16)])
+def test_gguf_types_through_pallas(kind, m, dt):
+    from gguf_factory import fake_tensor
+    from lucebox_jax.gguf_quants import import_linear
+
+    t, ref_w = fake_tensor(kind, out=72, n_in=512, seed=m)
+    w = import_linear(t)
+    op = "qmatmul" if isinstance(w, QuantArray) else "qmatmul8"
+    x = jnp.asarray(np.random.default_rng(m).standard_normal((m, 512)), dt)
+    ref = jnp.dot(x.astype(jnp.float32), jnp.asarray(ref_w.T), precision=jax.lax.Precision.HIGHEST)
+    y = ops.get(op, "pallas")(x, w)
+    assert y.shape == (m, 72) and y.dtype == dt
+    assert rel(y, ref) < TOL[dt]
+    assert rel(y, ops.get(op, "xla")(x, w)) < TOL[dt]
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_int4_group16_float32_scales_variants(sym):
+    """Group 16 with float32 scales under the knob variants: block_k below, equal to and above g, asm decode."""
+    rng = np.random.default_rng(16 + sym)
+    w = rand_quant(rng, 512, 80, 16, sym)
+    w = w.replace(scales=w.scales.astype(jnp.float32), mins=None if sym else w.mins.astype(jnp.float32))
+    x = jnp.asarray(rng.standard_normal((3, 512)), jnp.bfloat16)
+    ref = int4_matmul_reference(x, w.codes, w.scales, w.mins, group_size=16)
+    for kw in (dict(block_k=16), dict(block_k=64, decode="asm", split_k=2), dict(block_k=8, mode="dot_t")):
+        y = int4_matmul(x, w.codes, w.scales, w.mins, group_size=16, interpret=True, **kw)
+        assert rel(y, ref) < TOL[jnp.bfloat16], kw
+
+
 # ------------------------------------------------------------------------------------------------ GPU (compiled)
 # Knob sets the `gpu` tests compile; each also runs here in interpret mode (small shapes) so that a combination the
 # wrapper rejects (e.g. a block_k that does not divide K) fails in CI, not on the device.
@@ -345,3 +380,29 @@ def test_embedded_model_same_greedy_tokens_with_pallas(smol):
     want = smol.generate(prompt, sp)[0].outputs[0].token_ids
     assert len(want) == 8
     assert llm.generate(prompt, sp)[0].outputs[0].token_ids == want
+
+
+# (int8?, group, asymmetric) of the imported GGUF formats, every one with float32 scales: Q4_K, Q3_K, Q2_K, Q6_K, Q5_K
+GPU_GGUF_FORMATS = [(False, 32, True), (False, 16, False), (False, 16, True), (True, 16, False), (True, 32, True)]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("int8,g,asym", GPU_GGUF_FORMATS)
+@pytest.mark.parametrize("m", [1, 16, 40])
+def test_gpu_gguf_formats(int8, g, asym, m):
+    """The compiled kernels on the imported GGUF formats (group 16, float32 scales, int8 mins) at Gemma 3's
+    ffn_down shape (K 2048, N 640); random weights, so the device needs no `gguf` library."""
+    rng = np.random.default_rng(m + g)
+    k, n = 2048, 640
+    mins = jnp.asarray(rng.standard_normal((k // g, n)) * 0.05, jnp.float32) if asym else None
+    if int8:
+        w = rand_int8(rng, k, n, g)
+        w = w.replace(scales=w.scales.astype(jnp.float32), mins=mins)
+        op = "qmatmul8"
+    else:
+        w = rand_quant(rng, k, n, g, not asym)
+        w = w.replace(scales=w.scales.astype(jnp.float32), mins=mins)
+        op = "qmatmul"
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    assert rel(ops.get(op, "pallas")(x, w), ops.get(op, "xla")(x.astype(jnp.float32), w)) < TOL[jnp.bfloat16]

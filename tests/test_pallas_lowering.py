@@ -99,6 +99,29 @@ def test_int8_default_config_lowers(m, k, n):
     assert "xla.gpu.triton" in txt
 
 
+# the formats exact GGUF imports produce (gguf_quants.py) at Gemma 3 270M's shapes: group 16 (Q6_K/Q2_K/Q3_K),
+# float32 scales (K-quants), int8 with mins (Q5_K/Q5_1: kernel + mins_term)
+@pytest.mark.parametrize("m", [1, 4, 40])
+@pytest.mark.parametrize("g,sym", [(32, False), (16, True), (16, False)])
+@pytest.mark.parametrize("k,n", [(1024, 640), (2048, 640)])
+def test_int4_gguf_formats_lower(k, n, g, sym, m):
+    w = QuantArray(codes=SDS((k // 2, n), jnp.uint8), scales=SDS((k // g, n), jnp.float32),
+                   mins=None if sym else SDS((k // g, n), jnp.float32), group_size=g)
+    txt = lower_cuda(lambda x, w: qmatmul_pallas(x, w, interpret=False), SDS((m, k), jnp.bfloat16), w)
+    assert "xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("m", [1, 40])
+@pytest.mark.parametrize("k,n,g,sdt,mins", [(2048, 640, 16, jnp.float32, False), (1024, 640, 32, jnp.float32, True),
+                                             (640, 1536, 32, jnp.float16, False), (640, 262144, 32, jnp.float16,
+                                                                                   False)])
+def test_int8_gguf_formats_lower(k, n, g, sdt, mins, m):
+    w = Int8Array(codes=SDS((k, n), jnp.int8), scales=SDS((k // g, n), sdt),
+                  mins=SDS((k // g, n), sdt) if mins else None, group_size=g)
+    txt = lower_cuda(lambda x, w: qmatmul8_pallas(x, w, interpret=False), SDS((m, k), jnp.bfloat16), w)
+    assert "xla.gpu.triton" in txt
+
+
 def test_lowering_catches_a_bad_tile():
     """The reason this file exists: a non-power-of-two tile runs in interpret mode but cannot lower."""
     args = (SDS((1, 256), jnp.bfloat16), SDS((256, 300), jnp.int8), SDS((8, 300), jnp.float16))
