@@ -207,7 +207,7 @@ def create_app(engine: EngineLoop, cfg: ServerConfig) -> Starlette:
     async def health(request: Request):
         if not engine.alive:
             return JSONResponse({"status": "error", "detail": "the device loop stopped"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", **engine.load()})
 
     async def api_error(request: Request, exc: P.APIError):
         return error_response(exc)

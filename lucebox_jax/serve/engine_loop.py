@@ -128,6 +128,11 @@ class EngineLoop:
         self._stop.set()
         self.thread.join(timeout)
 
+    def load(self) -> dict:
+        """Requests running (in the batch or its prefill queue), waiting in the inbox, and counters."""
+        return {"running": len(self._live), "waiting": self.inbox.qsize() + len(self._held), "slots": self.slots,
+                "started": self.stats["requests"], "cancelled": self.stats["cancelled"]}
+
     @property
     def alive(self) -> bool:
         return self.thread.is_alive()
