@@ -1,7 +1,7 @@
 """The OpenAI-compatible server (lucebox_jax/serve/): one real server process per module on a free loopback port,
-serving the embedded model with an API key, driven by the official `openai` client (and raw http.client for bodies
-the client cannot send). Greedy answers are checked against in-process `LLM.generate` / `LLM.chat`; every request
-loop is bounded in count and time."""
+serving a tiny random-weights GGUF (byte tokens, a chat template, context 2048) with an API key, driven by the
+official `openai` client (and raw http.client for bodies the client cannot send). Answers are checked against
+in-process `LLM.generate` / `LLM.chat` on the same file; every request loop is bounded in count and time."""
 
 import asyncio
 import concurrent.futures
@@ -23,8 +23,9 @@ from lucebox_jax import SamplingParams  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY = "test-key-123"
-MODEL = "smol"
+MODEL = "tiny"
 SLOTS = 8
+CONTEXT = 2048
 
 
 def _free_port() -> int:
@@ -51,10 +52,27 @@ def _raw(port, method, path, body=None, headers=None, timeout=60):
 
 
 @pytest.fixture(scope="module")
-def server():
+def model_path(tmp_path_factory):
+    from gguf_factory import write_tiny_gguf
+
+    path = tmp_path_factory.mktemp("serve") / "tiny-2k.gguf"
+    write_tiny_gguf(path, context=CONTEXT)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def llm(model_path):
+    """The same model in-process: the reference the server's answers must equal."""
+    from lucebox_jax import LLM
+
+    return LLM(model_path, use_checkpoint=False)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
     port = _free_port()
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--api-key", KEY, "--served-model-name",
-           MODEL, "--batch-size", str(SLOTS), "--max-body-kb", "64"]
+           MODEL, "--batch-size", str(SLOTS), "--max-body-kb", "64", "--model", model_path, "--no-checkpoint"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
@@ -124,9 +142,9 @@ def test_health_models_and_api_key(server, client):
 
 
 # ---------------------------------------------------------------------------------------------------- greedy = LLM
-def test_chat_greedy_equals_llm_chat(server, client, smol):
+def test_chat_greedy_equals_llm_chat(server, client, llm):
     msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    want = smol.chat(msgs, _greedy(24))[0]
+    want = llm.chat(msgs, _greedy(24))[0]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
     assert r.choices[0].message.content == want.outputs[0].text
     assert r.choices[0].message.role == "assistant" and r.object == "chat.completion"
@@ -140,9 +158,9 @@ def test_chat_greedy_equals_llm_chat(server, client, smol):
     assert usage.completion_tokens == r.usage.completion_tokens and usage.prompt_tokens == r.usage.prompt_tokens
 
 
-def test_completion_greedy_equals_llm_generate(server, client, smol):
+def test_completion_greedy_equals_llm_generate(server, client, llm):
     prompt = "The three primary colors are"
-    want = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
+    want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0].outputs[0]
     r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
@@ -151,50 +169,56 @@ def test_completion_greedy_equals_llm_generate(server, client, smol):
         model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True}),
         "completion")
     assert (text, finish, usage) == (want.text, "length", None) and n >= 2
-    ids = smol.tokenizer.encode(prompt)  # a token-id prompt answers the same
+    ids = llm.tokenizer.encode(prompt)  # a token-id prompt answers the same
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=20, temperature=0,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == want.text
 
 
-def test_stop_strings_and_seeded_sampling(server, client, smol):
-    prompt = "The capital of France is"
-    full = smol.generate([prompt], _greedy(12))[0].outputs[0].text
-    stop = full.strip().split()[1]  # a word inside the greedy answer
-    want = smol.generate([prompt], SamplingParams(temperature=0, max_tokens=12, stop=[stop]))[0].outputs[0]
-    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=[stop])
-    assert (r.choices[0].text, r.choices[0].finish_reason) == (want.text, "stop") and stop not in want.text
-    text, finish, _, _ = _stream_text(client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
-                                                                temperature=0, stop=stop, stream=True), "completion")
-    assert (text, finish) == (want.text, "stop")
-    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9, top_p=0.95)
-    a, b = (client.completions.create(seed=7, **kw).choices[0].text for _ in range(2))
-    assert a == b  # a seed reproduces a sampled answer whatever else is in the batch
+def test_seeded_sampling_and_stop_strings(server, client, llm):
+    """A seeded sampled answer equals LLM.generate's (the seed, not the batch, fixes the draw); stop strings cut it
+    where LLM.generate does, streamed or not."""
+    prompt, kw = "Once upon a time", dict(temperature=1.0, seed=1, max_tokens=32)
+    sp = dict(kw, ignore_eos=True)
+    full = llm.generate([prompt], SamplingParams(**sp))[0].outputs[0].text
+    r = client.completions.create(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True}, **kw)
+    assert r.choices[0].text == full
+    k = next(i for i in range(len(full) // 3, len(full) - 2) if "\ufffd" not in full[i:i + 2])
+    stop = full[k:k + 2]  # two characters from inside the answer
+    want = llm.generate([prompt], SamplingParams(stop=[stop], **sp))[0].outputs[0].text
+    assert want == full[:full.find(stop)]
+    r = client.completions.create(model=MODEL, prompt=prompt, stop=[stop], extra_body={"ignore_eos": True}, **kw)
+    assert (r.choices[0].text, r.choices[0].finish_reason) == (want, "stop")
+    text, finish, _, _ = _stream_text(client.completions.create(model=MODEL, prompt=prompt, stop=stop, stream=True,
+                                                                extra_body={"ignore_eos": True}, **kw), "completion")
+    assert (text, finish) == (want, "stop")
 
 
-def test_logprobs(server, client, smol):
+def test_logprobs(server, client, llm):
     msgs = [{"role": "user", "content": "Name a color."}]
-    want = smol.chat(msgs, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0].outputs[0]
+    want = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0].outputs[0]
     r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, temperature=0, logprobs=True,
                                        top_logprobs=3)
     content = r.choices[0].logprobs.content
     assert r.choices[0].message.content == want.text
-    ids = [t for t in want.token_ids if t not in smol.tokenizer.eot_ids]
+    ids = [t for t in want.token_ids if t not in llm.tokenizer.eot_ids]
     assert len(content) == len(ids)
     for lp, t, d in zip(content, ids, want.logprobs):
         assert lp.logprob == pytest.approx(d[t].logprob, abs=1e-4)
         assert len(lp.top_logprobs) == 3 and lp.top_logprobs[0].logprob >= lp.top_logprobs[-1].logprob
     c = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
-                                  logprobs=2)
-    assert len(c.choices[0].logprobs.tokens) == 4 and "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
-    assert all(len(d) >= 2 for d in c.choices[0].logprobs.top_logprobs)
+                                  logprobs=2, extra_body={"ignore_eos": True})
+    lp = c.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    for d, v in zip(lp.top_logprobs, lp.token_logprobs):  # keyed by text: byte tokens may share the key "\ufffd"
+        assert 1 <= len(d) <= 2 and max(d.values()) == pytest.approx(v)  # greedy: the chosen token is the best
 
 
 # ---------------------------------------------------------------------------------------------------- concurrency
-def test_32_concurrent_streams(server, client, smol):
+def test_32_concurrent_streams(server, client, llm):
     n = 32
     convs = [[{"role": "user", "content": f"Write the number {i} in words."}] for i in range(n)]
-    want = [o.outputs[0].text for o in smol.chat(convs, _greedy(16))]
+    want = [o.outputs[0].text for o in llm.chat(convs, _greedy(16))]
 
     def one(i):
         s = client.chat.completions.create(model=MODEL, messages=convs[i], max_tokens=16, temperature=0,
@@ -275,12 +299,12 @@ def test_malformed_burst_then_good_request(server, client):
 
 
 # ---------------------------------------------------------------------------------------------------- queue bound
-def test_full_queue_answers_429(tiny_llm):
+def test_full_queue_answers_429(llm):
     """In-process, the device thread not started: the inbox fills and the next request gets 429 + Retry-After."""
     from lucebox_jax.serve.app import ServerConfig, create_app
     from lucebox_jax.serve.engine_loop import EngineLoop
 
-    engine = EngineLoop(tiny_llm, slots=1, max_len=64, steps_per_call=1, max_queue=2)
+    engine = EngineLoop(llm, slots=1, max_len=64, steps_per_call=1, max_queue=2)
     app = create_app(engine, ServerConfig(model_name="tiny"))
     body = json.dumps({"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
 

@@ -182,7 +182,8 @@ class EngineLoop:
         job: Job = f.request.key
         self._live.discard(job)
         if job.cancelled:
-            self.stats["cancelled"] += 1
+            if f.finish_reason == "check":  # retired early by the hook, not run to its end
+                self.stats["cancelled"] += 1
             return
         comp = self.llm.finish(Request(job.prompt, job.ids, job.params, job.params.seed), f.token_ids, job.max_new)
         self.stats["completion_tokens"] += len(comp.token_ids)

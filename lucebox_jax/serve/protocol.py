@@ -258,8 +258,14 @@ def logprobs_object(kind: str, entries: list[tuple[str, float, list[tuple[str, f
     for t, _, _ in entries:
         offsets.append(pos)
         pos += len(t)
+    tops = []
+    for _, _, alts in entries:
+        d = {}
+        for a, alp in alts:  # keyed by text: tokens with the same text (e.g. partial UTF-8 bytes) keep the best
+            d.setdefault(a, alp)
+        tops.append(d)
     return {"tokens": [t for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
-            "top_logprobs": [{a: alp for a, alp in alts} for _, _, alts in entries], "text_offset": offsets}
+            "top_logprobs": tops, "text_offset": offsets}
 
 
 def completion_body(kind: str, rid: str, model: str, text: str, finish_reason: str, n_prompt: int,
