@@ -161,16 +161,21 @@ def summarize(reqs, wall):
 
 def bench_server_level(a, n, out_dir, deadline):
     proc, port, startup = start_server(a, n, out_dir, deadline)
+    t0 = time.perf_counter()
     try:
         prompts = workload(a, n)
-        # warm-up: every prefill group size and prompt bucket this level will meet, at full concurrency
-        warm = [[ids[: a.prompt_min + (i * 37) % (a.prompt_max - a.prompt_min + 1)]] for i, ids in
-                enumerate(p[0] for p in prompts)]
-        asyncio.run(run_clients(port, warm, 4))
-        asyncio.run(run_clients(port, warm, 4))
+        # warm-up (compiles are not what this measures): every prefill group size at the shortest, middle and
+        # longest prompt, then the whole workload with 2 new tokens each
+        longest = max((ids for per in prompts for ids in per), key=len)
+        for size in sorted({min(p, n) for p in (1, 2, 4, 8)}):
+            for length in sorted({a.prompt_min, (a.prompt_min + a.prompt_max) // 2, a.prompt_max}):
+                asyncio.run(run_clients(port, [[longest[:length]] for _ in range(size)], 2))
+        asyncio.run(run_clients(port, prompts, 2))
+        t_warm = time.perf_counter() - t0
         reqs, wall = asyncio.run(run_clients(port, prompts, a.new_tokens))
         row = summarize(reqs, wall)
         row["server_startup_s"] = round(startup, 1)
+        row["warmup_s"] = round(t_warm, 1)
         return row, prompts
     finally:
         proc.terminate()

@@ -247,6 +247,21 @@ def test_cancelled_stream_frees_its_slot(server, client):
             break
         time.sleep(0.1)
     assert load["running"] == 0 and load["cancelled"] == before["cancelled"] + 1, load
+    # a client that leaves while waiting for a non-streamed answer frees its slot too
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
+    conn.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": "Count:", "max_tokens": 1500,
+                                                        "ignore_eos": True}),
+                 {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    deadline = time.time() + 30
+    while time.time() < deadline and _raw(server, "GET", "/health")[2]["running"] == 0:
+        time.sleep(0.05)
+    conn.close()
+    while time.time() < deadline:
+        load = _raw(server, "GET", "/health")[2]
+        if load["running"] == 0:
+            break
+        time.sleep(0.1)
+    assert load["running"] == 0 and load["cancelled"] == before["cancelled"] + 2, load
     # the freed slot serves the next requests: a full batch of them
     with concurrent.futures.ThreadPoolExecutor(SLOTS) as ex:
         outs = list(ex.map(lambda i: client.completions.create(model=MODEL, prompt=f"{i} + {i} =", max_tokens=4,

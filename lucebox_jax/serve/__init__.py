@@ -77,6 +77,8 @@ def run_serve_from_args(args) -> int:
     llm = LLM(args.model, kernels=args.kernels, max_context=ctx, use_checkpoint=not args.no_checkpoint)
     slots, ctx = default_shape(llm.engine, args.batch_size, llm.config.max_context)
     steps = args.steps_per_call or (16 if gpu else 8)
+    # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
+    sys.setswitchinterval(5e-4)
     engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue)
     engine.start()
     engine.warmup()

@@ -4,7 +4,8 @@
 Fields follow the OpenAI API (`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `seed`, `stop`, `n`,
 `logprobs` / `top_logprobs`, `stream`, `stream_options.include_usage`) plus vLLM's extensions `top_k`, `min_p`,
 `repetition_penalty`, `ignore_eos`. Unknown fields are ignored (as vLLM does); fields we cannot honour with a
-non-default value (`n` > 1, `echo`, `suffix`, `best_of` > 1, penalties, `logit_bias`, `tools`) are a 400.
+non-default value (`n` > 1, `echo`, `suffix`, `best_of` > 1, penalties, `logit_bias`, `tools`, a JSON
+`response_format`) are a 400.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def _unsupported(body: dict):
         raise bad("'echo' is not supported", "echo", "unsupported_value")
     if body.get("suffix"):
         raise bad("'suffix' is not supported", "suffix", "unsupported_value")
+    rf = body.get("response_format")
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") != "text"):
+        raise bad("'response_format' other than {'type': 'text'} is not supported", "response_format",
+                  "unsupported_value")
     if body.get("tools") or body.get("functions"):
         raise bad("tool calling is not supported", "tools", "unsupported_value")
 
