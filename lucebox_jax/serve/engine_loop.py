@@ -102,7 +102,8 @@ class EngineLoop:
         self.inbox: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._held: collections.deque[Job] = collections.deque()
         self._live: set[Job] = set()
-        self._sched_kw = dict(slots=slots, max_len=max_len, steps_per_call=steps_per_call,
+        # requests are checked against max_len; the cache is rounded up to whole 64-token blocks (as jobs.py does)
+        self._sched_kw = dict(slots=slots, max_len=-(-max_len // 64) * 64, steps_per_call=steps_per_call,
                               max_prefill_batch=min(max_prefill_batch, slots))
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, name="lucebox-device", daemon=True)
