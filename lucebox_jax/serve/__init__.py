@@ -8,11 +8,8 @@ server starts, so the rest of the package does not need them.
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-
-log = logging.getLogger("lucebox_jax.serve")
 
 
 def add_serve_arguments(p):
@@ -86,6 +83,9 @@ def run_serve_from_args(args) -> int:
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots, context {ctx}, {steps} steps per "
           f"call{', API key required' if api_key else ''}; load {llm.load_seconds:.1f} s, compile "
           f"{llm.engine.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: bound to {args.host} without --api-key: anyone who can reach this port can use the model",
+              file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=2)
     engine.stop()

@@ -19,7 +19,6 @@ import dataclasses
 import logging
 import queue
 import threading
-import time
 from typing import Callable
 
 from ..llm import Request, find_stop
@@ -47,7 +46,6 @@ class Job:
     stream: bool = False
     prompt: str | None = None
     cancelled: bool = False  # set by the handler when its client goes away (read by the device thread)
-    t_submit: float = 0.0
     # device-thread state for incremental decoding
     _n_seen: int = 0
     _text: str = ""
@@ -67,13 +65,15 @@ class Job:
         stop string appeared)."""
         if self.cancelled:
             return True
+        stops = self.params.stop
+        if not (self.stream or stops):
+            return False  # nothing to show or check before the end
         if self._dec is None:
             self._dec = StreamDecoder(tokenizer, skip_special=True)
         for t in ids[self._n_seen:]:
             if t not in self.stop_ids:
                 self._text += self._dec.push(t)
         self._n_seen = len(ids)
-        stops = self.params.stop
         if stops and find_stop(self._text, stops) is not None:
             return True
         if self.stream:
@@ -116,7 +116,6 @@ class EngineLoop:
                    sink=sink, stream=stream, prompt=prompt)
 
     def submit(self, job: Job):
-        job.t_submit = time.perf_counter()
         try:
             self.inbox.put_nowait(job)
         except queue.Full:
