@@ -275,6 +275,7 @@ def test_malformed_burst_then_good_request(server, client):
     cases = [
         ("/v1/chat/completions", b"{not json", 400, "invalid_json"),
         ("/v1/chat/completions", b"\xff\xfe", 400, "invalid_json"),
+        ("/v1/chat/completions", b"[" * 60_000, 400, "invalid_json"),
         ("/v1/chat/completions", [1, 2], 400, None),
         ("/v1/chat/completions", {"messages": good_chat["messages"]}, 400, "missing_required_parameter"),
         ("/v1/chat/completions", {**good_chat, "model": "gpt-4"}, 404, "model_not_found"),

@@ -71,7 +71,7 @@ def create_app(engine: EngineLoop, cfg: ServerConfig) -> Starlette:
             body += part
         try:
             return json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, RecursionError) as e:  # (UnicodeDecodeError is a ValueError; nesting too deep)
             raise P.bad(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
 
     def tokenize(gen: P.GenRequest) -> tuple[list[int], str | None]:
