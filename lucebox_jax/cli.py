@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .jobs import add_job_arguments
 
     add_job_arguments(p)  # --input/--output batch jobs (jobs.py)
+    from .serve import add_serve_arguments
+
+    add_serve_arguments(p)  # --serve (serve/)
     return p
 
 
@@ -101,6 +104,10 @@ def _run(args) -> int:
     if args.list_kernels:
         print(_list_kernels())
         return 0
+    if args.serve:
+        from .serve import run_serve_from_args
+
+        return run_serve_from_args(args)
     if args.input is not None or args.output is not None:
         from .jobs import JobError, run_job_from_args
 

@@ -285,7 +285,9 @@ class Scheduler:
             raise InvalidRequestError(f"request {r.key!r}: params.seed must be set")
 
     def run(self, requests: Iterable[SlotRequest]) -> Iterator[list[Finished]]:
-        """Serve `requests` (pulled lazily) until all are finished; yields the requests finished in each host round."""
+        """Serve `requests` (pulled lazily) until all are finished; yields the requests finished in each host round.
+        A feed may yield None for "nothing new now" (it is asked again after the next decode call, or at once when
+        the batch is empty, so an idle live feed should block)."""
         it = iter(requests)
         exhausted = False
         waiting: collections.deque[SlotRequest] = collections.deque()
@@ -298,6 +300,8 @@ class Scheduler:
                     r = next(it)
                 except StopIteration:
                     exhausted = True
+                    break
+                if r is None:  # a live feed (serve/) with nothing new now: decode, then ask again
                     break
                 self.validate(r)
                 waiting.append(r)

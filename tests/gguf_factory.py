@@ -61,7 +61,7 @@ def fake_tensor(kind: str, out: int = 48, n_in: int = 512, seed: int = 0):
 
 def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None, tied: bool = True, seed: int = 0,
                     dim: int = 64, n_layers: int = 2, n_heads: int = 4, n_kv: int = 2, ffn: int = 128,
-                    default_type: str = "Q4_1", emb_type: str = "Q8_0") -> dict:
+                    default_type: str = "Q4_1", emb_type: str = "Q8_0", context: int = 256) -> dict:
     """Write a tiny model; `types` maps a tensor-name suffix (e.g. "attn_q") to a GGUF type name.
     Returns {tensor name: float32 array [out, in] as written (before quantization)}."""
     rng = np.random.default_rng(seed)
@@ -71,7 +71,7 @@ def write_tiny_gguf(path, arch: str = "llama", types: dict | None = None, tied: 
     hd = dim // n_heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(n_layers)
-    w.add_context_length(256)
+    w.add_context_length(context)
     w.add_embedding_length(dim)
     w.add_feed_forward_length(ffn)
     w.add_head_count(n_heads)

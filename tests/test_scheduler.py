@@ -117,3 +117,23 @@ def test_llm_generate_many_prompts_uses_continuous_batching(tiny_llm):
     assert [c.token_ids for c in cont] == [c.token_ids for c in static]
     assert [c.text for c in cont] == [c.text for c in static]
     assert [c.finish_reason for c in cont] == [c.finish_reason for c in static]
+
+
+def test_live_feed_with_gaps_joins_the_running_batch(tiny_llm, greedy_case):
+    """A live feed (serve/) yields None while nothing is new: the batch keeps decoding, later requests join it, and
+    every result equals the one-at-a-time reference."""
+    prompts, params, ref = greedy_case
+    sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2)
+    progress = []
+
+    def feed():
+        yield _req(2, prompts[2], dataclasses.replace(params[2], seed=0), tiny_llm)
+        for _ in range(2):  # two rounds with nothing new: request 2 decodes alone meanwhile
+            progress.append(sched.stats["decode_calls"])
+            yield None
+        for i in (1, 5):
+            yield _req(i, prompts[i], dataclasses.replace(params[i], seed=0), tiny_llm)
+
+    got = {f.request.key: f for batch in sched.run(feed()) for f in batch}
+    assert progress == [0, 1]  # the scheduler decoded between the feed's empty answers
+    assert {k: f.token_ids for k, f in got.items()} == {i: ref[i] for i in (2, 1, 5)}

@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""Serving benchmark: N concurrent streaming clients against the OpenAI-compatible server (lucebox_jax/serve/),
+against the same requests as an offline batch job (the Scheduler directly, no HTTP).
+
+For each client count N (default 1, 8, 32, 128) a server process is started with N decode slots (`--batch-size N`,
+so both sides decode at the same width), warmed up, then N clients each send `--requests-per-client` streaming
+/v1/completions requests one after another (token-id prompts of random length in [prompt-min, prompt-max], greedy,
+`ignore_eos`, exactly `--new-tokens` tokens each; usage chunk on). Measured per request: time to first token (first
+non-empty content chunk; the server sends each request's tokens once per scheduler round), the gaps between content
+chunks (ITL per chunk, each chunk holding up to --steps-per-call tokens) and time per output token after the first
+(TPOT). Per level: output tok/s over the level's wall time, TTFT / ITL / TPOT p50 and p99. Then, in this process, the
+same requests run through `Scheduler.run` with the same slots, context and steps per call (compile excluded); the
+ratio server / offline is the serving overhead. Targets (issue 15): ratio >= 0.8 at 32 clients, TTFT p50 < 100 ms at 8.
+
+GPU, one call (< 4 minutes; the embedded model's GGUF in /tmp):
+    PYTHONUNBUFFERED=1 python3 benchmarks/bench_serve.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+CPU smoke run:   python benchmarks/bench_serve.py --small
+Writes bench_serve.json and bench_serve.md (and each server's log) to $OUT (or --out). Needs starlette + uvicorn for
+the server and httpx for the clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+try:
+    import httpx
+except ImportError:  # some environments ship the fork under another name
+    import httpx2 as httpx
+
+
+def log(*a):
+    print(*a, file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="GGUF or checkpoint (default: the embedded model)")
+    p.add_argument("--clients", default=None, help="comma list (default 1,8,32,128; --small: 1,4)")
+    p.add_argument("--requests-per-client", type=int, default=None, help="default 4 (--small: 2)")
+    p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 8)")
+    p.add_argument("--prompt-min", type=int, default=None, help="default 64 (--small: 8)")
+    p.add_argument("--prompt-max", type=int, default=None, help="default 256 (--small: 24)")
+    p.add_argument("--max-context", type=int, default=512)
+    p.add_argument("--steps-per-call", type=int, default=None, help="default 16 (--small: 8)")
+    p.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run; levels left out after")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    p.add_argument("--small", action="store_true", help="tiny sizes for a CPU smoke run")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    a.clients = [int(x) for x in (a.clients or ("1,4" if a.small else "1,8,32,128")).split(",")]
+    a.requests_per_client = a.requests_per_client or (2 if a.small else 4)
+    a.new_tokens = a.new_tokens or (8 if a.small else 128)
+    a.prompt_min = a.prompt_min or (8 if a.small else 64)
+    a.prompt_max = a.prompt_max or (24 if a.small else 256)
+    a.steps_per_call = a.steps_per_call or (8 if a.small else 16)
+    if a.prompt_max + a.new_tokens > a.max_context:
+        p.error(f"--prompt-max + --new-tokens ({a.prompt_max + a.new_tokens}) over --max-context {a.max_context}")
+    return a
+
+
+def pct(xs, q):
+    return float(np.percentile(xs, q)) * 1e3 if len(xs) else None
+
+
+def workload(a, n_clients: int, vocab: int = 49152):
+    """Per client, its list of prompts (token ids); fixed by the seed so both sides see the same requests."""
+    rng = np.random.default_rng(n_clients)
+    per = max(a.requests_per_client, -(-a.min_requests // n_clients))
+    return [[[int(t) for t in rng.integers(100, min(vocab, 30000), rng.integers(a.prompt_min, a.prompt_max + 1))]
+             for _ in range(per)] for _ in range(n_clients)]
+
+
+# ---------------------------------------------------------------------------------------------------- server side
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(a, slots: int, out_dir: str, deadline: float):
+    port = free_port()
+    cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--batch-size", str(slots),
+           "--max-context", str(a.max_context), "--steps-per-call", str(a.steps_per_call), "--served-model-name",
+           "bench", "--max-queue", "4096"] + (["--model", a.model] if a.model else [])
+    logf = open(os.path.join(out_dir, f"server_{slots}.log"), "w")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
+    t0 = time.perf_counter()
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see server_{slots}.log")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, port, time.perf_counter() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    proc.kill()
+    raise TimeoutError("server did not come up in the time left")
+
+
+async def one_request(client, url, ids, new_tokens):
+    body = {"model": "bench", "prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps, n_tok, text = [], 0, []
+    async with client.stream("POST", url, json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])
+            if c.get("usage"):
+                n_tok = c["usage"]["completion_tokens"]
+            for ch in c.get("choices", []):
+                if ch.get("text"):
+                    stamps.append(time.perf_counter())
+                    text.append(ch["text"])
+    return {"t0": t0, "stamps": stamps, "end": time.perf_counter(), "tokens": n_tok}
+
+
+async def run_clients(port, prompts, new_tokens):
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        async def client_loop(mine):
+            return [await one_request(client, url, ids, new_tokens) for ids in mine]
+
+        t0 = time.perf_counter()
+        res = await asyncio.gather(*(client_loop(m) for m in prompts))
+        wall = time.perf_counter() - t0
+    return [r for per in res for r in per], wall
+
+
+def summarize(reqs, wall):
+    ttft = [r["stamps"][0] - r["t0"] for r in reqs if r["stamps"]]
+    itl = [b - a for r in reqs for a, b in zip(r["stamps"], r["stamps"][1:])]
+    tpot = [(r["end"] - r["stamps"][0]) / (r["tokens"] - 1) for r in reqs if r["stamps"] and r["tokens"] > 1]
+    tokens = sum(r["tokens"] for r in reqs)
+    chunks = sum(len(r["stamps"]) for r in reqs)
+    return {"requests": len(reqs), "completion_tokens": tokens, "wall_s": round(wall, 3),
+            "tok_s": round(tokens / wall, 1), "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99), "tpot_p50_ms": pct(tpot, 50),
+            "tpot_p99_ms": pct(tpot, 99), "tokens_per_chunk": round(tokens / max(chunks, 1), 2)}
+
+
+def bench_server_level(a, n, out_dir, deadline):
+    proc, port, startup = start_server(a, n, out_dir, deadline)
+    t0 = time.perf_counter()
+    try:
+        prompts = workload(a, n)
+        # warm-up (compiles are not what this measures): every prefill group size at the shortest, middle and
+        # longest prompt, then the whole workload with 2 new tokens each
+        longest = max((ids for per in prompts for ids in per), key=len)
+        for size in sorted({min(p, n) for p in (1, 2, 4, 8)}):
+            for length in sorted({a.prompt_min, (a.prompt_min + a.prompt_max) // 2, a.prompt_max}):
+                asyncio.run(run_clients(port, [[longest[:length]] for _ in range(size)], 2))
+        asyncio.run(run_clients(port, prompts, 2))
+        t_warm = time.perf_counter() - t0
+        reqs, wall = asyncio.run(run_clients(port, prompts, a.new_tokens))
+        row = summarize(reqs, wall)
+        row["server_startup_s"] = round(startup, 1)
+        row["warmup_s"] = round(t_warm, 1)
+        return row, prompts
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# ---------------------------------------------------------------------------------------------------- offline side
+def bench_offline(llm, a, n, prompts):
+    from lucebox_jax import SamplingParams
+    from lucebox_jax.scheduler import Scheduler, SlotRequest
+
+    eng = llm.engine
+    flat = [ids for per in prompts for ids in per]
+
+    def reqs(new):
+        return [SlotRequest(i, ids, SamplingParams(temperature=0, max_tokens=new, seed=0, ignore_eos=True),
+                            frozenset(), new) for i, ids in enumerate(flat)]
+
+    def run(new):
+        sched = Scheduler(eng, slots=n, max_len=a.max_context, steps_per_call=a.steps_per_call,
+                          max_prefill_batch=min(8, n))
+        c0, t0 = eng.compile_seconds, time.perf_counter()
+        tokens = sum(len(f.token_ids) for batch in sched.run(reqs(new)) for f in batch)
+        return tokens, time.perf_counter() - t0 - (eng.compile_seconds - c0)
+
+    run(4)  # warm-up: the same shapes
+    tokens, dt = run(a.new_tokens)
+    return {"requests": len(flat), "completion_tokens": tokens, "seconds": round(dt, 3), "tok_s": round(tokens / dt, 1)}
+
+
+def fmt(v, nd=1):
+    return "-" if v is None else f"{v:.{nd}f}"
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    t_start = time.time()
+    deadline = t_start + a.budget
+    out_dir = a.out or os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench_serve_")
+    os.makedirs(out_dir, exist_ok=True)
+    # the server processes and this one (offline runs) share the GPU: no process may take most of its memory
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import jax
+
+    result = {"device": str(jax.devices()[0]), "args": {k: v for k, v in vars(a).items() if k != "out"},
+              "levels": {}}
+    json_path = os.path.join(out_dir, "bench_serve.json")
+
+    def save():
+        with open(json_path, "w") as f:
+            json.dump(result, f, indent=1)
+
+    llm = None
+    if not a.no_offline:
+        from lucebox_jax import LLM
+
+        llm = LLM(a.model, max_context=a.max_context)
+        result["model"] = llm.source
+    for n in a.clients:
+        if time.time() > deadline - 20:
+            log(f"clients={n}: skipped (budget)")
+            result["levels"][str(n)] = {"skipped": "budget"}
+            continue
+        log(f"clients={n}: starting a server with {n} slots ...")
+        try:
+            row, prompts = bench_server_level(a, n, out_dir, deadline)
+        except Exception as e:  # noqa: BLE001 - one level failing keeps the others
+            log(f"clients={n}: failed: {type(e).__name__}: {e}")
+            result["levels"][str(n)] = {"error": f"{type(e).__name__}: {e}"}
+            save()
+            continue
+        lv = result["levels"][str(n)] = {"server": row}
+        log(f"clients={n}: server {row}")
+        save()
+        if llm is not None and time.time() < deadline - 10:
+            off = bench_offline(llm, a, n, prompts)
+            lv["offline"] = off
+            lv["server_over_offline"] = round(row["tok_s"] / off["tok_s"], 3)
+            log(f"clients={n}: offline {off}; server / offline {lv['server_over_offline']}")
+            save()
+    result["wall_s"] = round(time.time() - t_start, 1)
+    save()
+    lines = ["| clients | server tok/s | offline tok/s | ratio | TTFT p50 / p99 ms | ITL p50 / p99 ms (per chunk) | "
+             "TPOT p50 / p99 ms | tokens/chunk |", "|---|---|---|---|---|---|---|---|"]
+    for n, lv in result["levels"].items():
+        s, o = lv.get("server"), lv.get("offline") or {}
+        if not s:
+            lines.append(f"| {n} | {lv} |  |  |  |  |  |  |")
+            continue
+        lines.append(f"| {n} | {s['tok_s']} | {o.get('tok_s', '-')} | {lv.get('server_over_offline', '-')} | "
+                     f"{fmt(s['ttft_p50_ms'])} / {fmt(s['ttft_p99_ms'])} | {fmt(s['itl_p50_ms'])} / "
+                     f"{fmt(s['itl_p99_ms'])} | {fmt(s['tpot_p50_ms'], 2)} / {fmt(s['tpot_p99_ms'], 2)} | "
+                     f"{s['tokens_per_chunk']} |")
+    md = (f"bench_serve on {result['device']}: {a.new_tokens} new tokens per request, prompts {a.prompt_min}-"
+          f"{a.prompt_max} tokens, context {a.max_context}, {a.steps_per_call} steps per call, server slots = clients"
+          "\n\n" + "\n".join(lines) + "\n")
+    with open(os.path.join(out_dir, "bench_serve.md"), "w") as f:
+        f.write(md)
+    print(md)
+    log(f"results in {out_dir}")
+
+
+if __name__ == "__main__":
+    main()

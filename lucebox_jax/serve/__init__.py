@@ -1,0 +1,92 @@
+"""OpenAI-compatible HTTP server over the continuous-batching scheduler: `python run.py --serve` or
+`python -m lucebox_jax.serve`.
+
+protocol.py validates OpenAI bodies and builds responses, engine_loop.py is the one device thread that feeds the
+scheduler from a bounded queue, app.py holds the Starlette routes. Starlette and uvicorn are imported only when a
+server starts, so the rest of the package does not need them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def add_serve_arguments(p):
+    g = p.add_argument_group("OpenAI-compatible server (--serve)")
+    g.add_argument("--serve", action="store_true", help="serve /v1/chat/completions, /v1/completions, /v1/models "
+                                                        "and /health over HTTP (see README)")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    g.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every route but /health "
+                                                  "(default: the LUCEBOX_API_KEY environment variable, else none)")
+    g.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model "
+                                                            "file's name without .gguf)")
+    g.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the running batch before "
+                                                             "new ones get 429 (default 256)")
+    g.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (default 1024 KiB)")
+
+
+def _model_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    from ..loader import default_model_path
+
+    path = os.path.normpath(args.model or default_model_path())
+    name = os.path.basename(path)
+    return name[:-5] if name.endswith(".gguf") else name
+
+
+def run_serve_from_args(args) -> int:
+    """Load the model, start the device loop, serve until interrupted."""
+    from ..jobs import JobError
+
+    for flag in ("input", "output", "prompt"):
+        if getattr(args, flag, None) is not None:
+            raise JobError(f"--serve and --{flag} are mutually exclusive")
+    if args.draft is not None:
+        raise JobError("--draft is not supported with --serve yet: the continuous-batching scheduler decodes "
+                       "without speculation")
+    if not 0 <= args.port <= 65535:
+        raise JobError(f"--port must be in 0..65535, got {args.port}")
+    for flag, lo in (("batch_size", 1), ("steps_per_call", 1), ("max_queue", 1), ("max_body_kb", 1),
+                     ("max_context", 2)):
+        v = getattr(args, flag)
+        if v is not None and v < lo:
+            raise JobError(f"--{flag.replace('_', '-')} must be >= {lo}, got {v}")
+    try:
+        import uvicorn
+
+        from .app import ServerConfig, create_app
+    except ImportError as e:
+        raise JobError(f"--serve needs starlette and uvicorn ({e}); pip install starlette uvicorn") from None
+    import jax
+
+    from ..jobs import default_shape
+    from ..llm import LLM
+    from .engine_loop import EngineLoop
+
+    name = _model_name(args)
+    api_key = args.api_key or os.environ.get("LUCEBOX_API_KEY") or None
+    gpu = jax.default_backend() != "cpu"
+    ctx = args.max_context or (4096 if gpu else 2048)
+    print(f"loading {name} ...", file=sys.stderr, flush=True)
+    llm = LLM(args.model, kernels=args.kernels, max_context=ctx, use_checkpoint=not args.no_checkpoint)
+    slots, ctx = default_shape(llm.engine, args.batch_size, llm.config.max_context)
+    steps = args.steps_per_call or (16 if gpu else 8)
+    # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
+    sys.setswitchinterval(5e-4)
+    engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue)
+    engine.start()
+    engine.warmup()
+    app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots, context {ctx}, {steps} steps per "
+          f"call{', API key required' if api_key else ''}; load {llm.load_seconds:.1f} s, compile "
+          f"{llm.engine.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: bound to {args.host} without --api-key: anyone who can reach this port can use the model",
+              file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=2)
+    engine.stop()
+    return 0
