@@ -21,7 +21,7 @@ import numpy as np
 from . import ops
 from .engine import Engine, StepOut, enable_compilation_cache
 from .errors import EmptyPromptError, InvalidSamplingParamsError, PromptTooLongError
-from .loader import load_model
+from .loader import load_model, model_name
 from .ops import KernelSet
 from .sampling import RowParams, SamplingParams
 from .tokenizer import StreamDecoder, Tokenizer
@@ -84,7 +84,8 @@ class LLM:
             cfg = cfg.replace(max_context=min(cfg.max_context, max_context))
         self.tokenizer = Tokenizer.from_gguf_metadata(tok_meta)
         self.engine = Engine(cfg, weights, kernel_set)
-        self.spec = None  # speculative decoding (speculative.py): draft "layers:N" | "ngram" | "model:PATH"
+        self.engine.model_name = model_name(model)  # finds the model's shipped draft head (drafters/eagle.py)
+        self.spec = None  # speculative decoding (speculative.py): draft "eagle" | "layers:N" | "ngram" | "model:PATH"
         if draft is not None:
             from .speculative import SpeculativeDecoder
 

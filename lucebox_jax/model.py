@@ -113,11 +113,14 @@ def _write_kv(cache_l, new, start):
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_l, new, start)
 
 
-def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None):
+def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None,
+            hidden_layers: tuple | None = None):
     """Run `tokens` [B, T] at absolute positions start[b] + t; write their K/V into the cache.
 
     Returns (logits, cache). `cache.lengths` is left unchanged: the caller decides how far each row advances.
     last_only: None for logits at every position [B, T, V]; else an index array [B] -> logits [B, V] of that position.
+    hidden_layers: layer indices (static); then returns (logits, cache, hidden [B, T, len * D]): the residual stream
+    after each of those layers at every position, concatenated (draft heads read it; see drafters/eagle.py).
     """
     b, t = tokens.shape
     dt = jnp.dtype(cfg.dtype)
@@ -127,6 +130,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     x = w.embed.lookup(tokens, dt)
     new_k, new_v = [], []
     decode = t == 1
+    hidden = [None] * len(hidden_layers or ())
     attn = ops.get("attention_decode" if decode else "attention_prefill",
                    kernels.attention_decode if decode else kernels.attention_prefill)
     for i, lw in enumerate(w.layers):
@@ -153,8 +157,13 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         gu = linear(h, lw.w_gate_up, kernels=kernels)
         act = jax.nn.silu(gu[..., : cfg.ffn_dim].astype(jnp.float32)) * gu[..., cfg.ffn_dim :].astype(jnp.float32)
         x = x + linear(act.astype(dt), lw.w_down, kernels=kernels)
+        if hidden_layers is not None and i in hidden_layers:
+            hidden[hidden_layers.index(i)] = x
     if last_only is not None:
         x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, w.final_norm, cfg.rms_eps)
     logits = linear(x, w.head, kernels=kernels).astype(jnp.float32)
-    return logits, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    if hidden_layers is not None:
+        return logits, cache, jnp.concatenate(hidden, axis=-1)
+    return logits, cache

@@ -143,15 +143,20 @@ class VerifyOut:
     logprob: jax.Array  # [B, K+1] raw logprob of each committed token
     top_ids: jax.Array  # [B, K+1, k]
     top_vals: jax.Array  # [B, K+1, k]
+    hidden: jax.Array | None = None  # [B, K+1, F] target hidden states of `hidden_layers` (draft heads)
 
 
-def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, active, n_logprobs):
+def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, active, n_logprobs, hidden_layers=None):
     k = drafts.shape[1]
     TRACE_COUNTS[("verify", k)] += 1  # runs at trace time only
     b = tok.shape[0]
     start = cache.lengths
     tokens = jnp.concatenate([tok[:, None], drafts], axis=1)  # positions start .. start + K
-    logits, cache = forward(cfg, kernels, weights, cache, tokens, start)  # [B, K+1, V]
+    hidden = None
+    if hidden_layers:
+        logits, cache, hidden = forward(cfg, kernels, weights, cache, tokens, start, hidden_layers=hidden_layers)
+    else:
+        logits, cache = forward(cfg, kernels, weights, cache, tokens, start)  # [B, K+1, V]
     n, nxt = accept_tokens(logits, drafts, q, rp, start + 1, seen)
     n = jnp.where(active, n, 0)
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
@@ -164,7 +169,7 @@ def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, act
     else:
         vals, ids = jnp.zeros((b, k + 1, 0), jnp.float32), jnp.zeros((b, k + 1, 0), jnp.int32)
     cache = cache.replace(lengths=jnp.where(active, start + n + 1, start))
-    return VerifyOut(n, committed, nxt, chosen, ids.astype(jnp.int32), vals), cache
+    return VerifyOut(n, committed, nxt, chosen, ids.astype(jnp.int32), vals, hidden), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "n_logprobs"), donate_argnames=("cache",))
@@ -218,7 +223,8 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         else:
             drafts, q, dstate = drafter.propose(dparams, st.dstate, st.prev, st.tok, start, rp, k)
             cache = st.cache
-        vo, cache = _verify(cfg, kernels, weights, cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs)
+        vo, cache = _verify(cfg, kernels, weights, cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs,
+                            drafter.hidden_layers)
         n = vo.n_accepted
         toks = vo.tokens
         stop = jnp.any(toks[..., None] == stop_ids[None, None, :], axis=-1) & (j <= n[:, None])
@@ -235,6 +241,8 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         seen = st.seen | jnp.any(jax.nn.one_hot(jnp.where(keep, toks, -1), st.seen.shape[-1], dtype=bool), axis=1)
         prev = jnp.where(n > 0, jnp.take_along_axis(drafts, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], st.tok)
         dstate = drafter.commit(dstate, st.tok, drafts, n, start)
+        if drafter.hidden_layers:  # a draft head catches up on the target's features of this verify
+            dstate = drafter.absorb(dparams, dstate, vo.hidden, vo.tokens, n, start)
         hist = st.hist + jnp.sum(jax.nn.one_hot(n, kmax + 1, dtype=jnp.int32) * active[:, None], axis=0)
         new = SpecState(cache=cache, dstate=dstate, prev=jnp.where(active, prev, st.prev),
                         tok=jnp.where(active, vo.next_token, st.tok), seen=seen, done=done, count=count, bufs=bufs,
@@ -320,7 +328,10 @@ class SpeculativeDecoder:
         done = jnp.any(first.tokens[:, None] == stop[None, :], axis=-1) | (row_max <= 1)
         deng = getattr(self.drafter, "engine", None)
         c0 = deng.compile_seconds if deng is not None else 0.0
-        dstate = self.drafter.init_state(prompts, cache.max_len)
+        if self.drafter.hidden_layers:  # a draft head starts from the first generated token
+            dstate = self.drafter.init_state(prompts, cache.max_len, first=first.tokens)
+        else:
+            dstate = self.drafter.init_state(prompts, cache.max_len)
         if deng is not None:  # the draft's prefill compiles count as compile time of the run
             self.engine.compile_seconds += deng.compile_seconds - c0
         state = SpecState(cache=cache, dstate=dstate, prev=jnp.asarray([p[-1] for p in prompts], jnp.int32),
