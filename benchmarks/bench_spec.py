@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
-"""Speculative decoding benchmark (issue 4). One run, CPU or GPU:
+"""Speculative decoding benchmark (issues 4, 13). One run, CPU or GPU:
 
     cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_spec.py            # GPU: A + B
     PYTHONPATH=. python3 benchmarks/bench_spec.py --small                                     # CPU: A, small
+    python3 benchmarks/bench_spec.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --drafters eagle,ngram --ks 4
 
-A. Embedded SmolLM2-135M-Instruct: for each drafter (ngram, layers:N, a separate draft model = the embedded model
-   itself, i.e. acceptance upper bound at full draft cost) and K, on the same chat prompts at batch 1, greedy and
+A. Embedded SmolLM2-135M-Instruct (or --model): for each drafter (eagle = the model's shipped draft head, ngram,
+   layers:N, a separate draft model = the embedded model itself, i.e. acceptance upper bound at full draft cost) and K, on the same chat prompts at batch 1, greedy and
    temperature 0.7: mean accepted drafts per step, tokens per target step, and wall-clock speedup over plain decoding
    (each speculative pass is timed right after a plain pass of the same prompts; speedup = median of the per-pair
    ratios, which keeps a noisy shared machine from biasing one side). Compile time is excluded.
@@ -68,7 +69,7 @@ def bench_embedded(args):
     from lucebox_jax.loader import default_model_path
     from lucebox_jax.speculative import SpeculativeDecoder
 
-    llm = LLM()
+    llm = LLM(args.model)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
     drafters = args.drafters.split(",")
@@ -89,7 +90,7 @@ def bench_embedded(args):
 
     configs = [(d, k) for k in sorted(ks, key=lambda k: (k != 4, k)) for d in drafters]  # K=4 of each first
     if args.self_draft:
-        configs.append((f"model:{default_model_path()}", args.self_draft_k))
+        configs.append((f"model:{args.model or default_model_path()}", args.self_draft_k))
     for temp in temps:  # warm the plain path
         llm.spec = None
         one_pass(temp)
@@ -260,6 +261,7 @@ def main():
     ap.add_argument("--small", action="store_true", help="CPU-sized: 3 prompts, 48 tokens, fewer configs")
     ap.add_argument("--synthetic", action="store_true", help="run part B even without a GPU")
     ap.add_argument("--no-embedded", action="store_true")
+    ap.add_argument("--model", default=None, help="GGUF or checkpoint for part A (default: the embedded model)")
     ap.add_argument("--no-synthetic", action="store_true")
     ap.add_argument("--drafters", default=None)
     ap.add_argument("--ks", default=None)
@@ -270,7 +272,7 @@ def main():
     ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=None,
                     help="also the embedded model as its own separate draft model")
     ap.add_argument("--self-draft-k", type=int, default=4)
-    ap.add_argument("--syn-ks", default="1,2,4,8,16")
+    ap.add_argument("--syn-ks", default="1,2,4,8,16,31", help="verify sizes; K=31 is the cost of a 32-node tree")
     ap.add_argument("--syn-reps", type=int, default=16)
     ap.add_argument("--syn-preset", default="llama3-8b", help="synthetic.PRESETS name (tiny: a CPU smoke test)")
     ap.add_argument("--context", type=int, default=1024)
@@ -279,7 +281,7 @@ def main():
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     small = args.small or not gpu
-    args.drafters = args.drafters or "ngram,layers:8"
+    args.drafters = args.drafters or "eagle,ngram,layers:8"
     args.ks = args.ks or ("2,4" if small else "2,4,8")
     args.prompts = args.prompts or (3 if small else 4)
     args.max_tokens = args.max_tokens or (48 if small else 96)

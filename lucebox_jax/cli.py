@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-format", choices=("text", "json"), default="text")
     p.add_argument("--no-checkpoint", action="store_true", help="read the GGUF directly, never convert it")
     p.add_argument("--verbose", "-v", action="store_true")
-    p.add_argument("--draft", default=None, metavar="MODEL|layers:N|ngram",
-                   help="speculative decoding drafter: a draft model (.gguf or checkpoint sharing the vocabulary), "
+    p.add_argument("--draft", default=None, metavar="eagle[:PATH]|MODEL|layers:N|ngram",
+                   help="speculative decoding drafter: eagle (the model's trained draft head, or eagle:FOLDER), "
+                        "a draft model (.gguf or checkpoint sharing the vocabulary), "
                         "layers:N (the target's first N layers), or ngram[:N] (prompt lookup)")
     p.add_argument("--num-draft", default="4", metavar="K|auto",
                    help="draft tokens per step with --draft (default 4); auto adapts K in 1,2,4,8")

@@ -256,7 +256,8 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
     hist, same, rows = None, 0, 0
     for i in range(0, len(prompts), batch):
         ps = prompts[i: i + batch]
-        ps = ps + [ps[-1]] * (batch - len(ps))
+        real = len(ps)
+        ps = ps + [ps[-1]] * (batch - len(ps))  # one compiled shape; the padding rows are not counted
         rp = RowParams.from_params([SamplingParams(temperature=0)] * batch)
         need = max(map(len, ps)) + max_new
         outs = []
@@ -270,8 +271,8 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
             else:
                 bufs, count, _ = s.loop(cache, ps, first, rp, seen, set(), np.full(batch, max_new))
             outs.append(np.asarray(bufs.tokens)[:, :max_new])
-        same += int(np.sum(np.all(outs[0] == outs[1], axis=1)))
-        rows += batch
+        same += int(np.sum(np.all(outs[0][:real] == outs[1][:real], axis=1)))
+        rows += real
         h = np.asarray(spec.last_stats["acceptance_histogram"])
         hist = h if hist is None else hist + h
     mean = float(np.dot(np.arange(len(hist)), hist) / max(1, hist.sum()))

@@ -51,7 +51,7 @@ def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsy
               "--holdout-tokens", "8", "--save-every", "2"]
     assert main(common + ["--steps", "3"]) == 0
     meta = json.loads((out / "eagle.json").read_text())
-    assert meta["training"]["steps"] == 3 and meta["heldout"]["greedy_equal_rows"] == "8/8"
+    assert meta["training"]["steps"] == 3 and meta["heldout"]["greedy_equal_rows"] == "2/2"
     assert main(common + ["--steps", "5"]) == 0
     assert "resuming" in capsys.readouterr().err
     assert json.loads((out / "eagle.json").read_text())["training"]["steps"] == 5
