@@ -79,3 +79,23 @@ def test_head_files_round_trip_and_bad_input(eng, tmp_path):
         build(f"eagle:{tmp_path / 'w'}", eng)
     with pytest.raises(DraftError, match="model's name"):
         build("eagle", eng)
+
+
+@pytest.mark.slow
+def test_embedded_greedy_equal_with_a_head(smol, tmp_path):
+    """`eagle:PATH` on SmolLM2-135M (real weights, an untrained head saved and loaded from its files): greedy output
+    equals plain greedy output at batch 1 and 2."""
+    hc = EagleConfig.for_target(smol.engine.cfg)
+    save_head(str(tmp_path / "h"), hc, init_head(hc, jax.random.key(4)))
+    from lucebox_jax import SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):\n    return a + b\n"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    smol.spec = None
+    ref = [o.outputs[0].token_ids for o in smol.generate(prompts, sp)]
+    smol.spec = SpeculativeDecoder.create(smol.engine, f"eagle:{tmp_path / 'h'}", 4)
+    try:
+        assert [o.outputs[0].token_ids for o in smol.generate(prompts, sp)] == ref
+        assert [o.outputs[0].token_ids for o in smol.generate(prompts[:1], sp)] == ref[:1]
+    finally:
+        smol.spec = None

@@ -45,7 +45,7 @@ def test_head_learns_a_bigram_target_and_drafts_it():
 
 def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LUCEBOX_CHECKPOINTS", str(tmp_path / "ck"))
-    out = tmp_path / "head"
+    out = tmp_path / "ck" / "tiny-llama-eagle"  # where bare `eagle` looks for the head of tiny-llama.gguf
     common = ["--model", tiny_gguf, "--out", str(out), "--chat-prompts", "6", "--raw-prompts", "2",
               "--gen-len", "8", "--seq-len", "32", "--gen-batch", "8", "--batch", "4", "--holdout", "2",
               "--holdout-tokens", "8", "--save-every", "2"]
@@ -55,8 +55,12 @@ def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsy
     assert main(common + ["--steps", "5"]) == 0
     assert "resuming" in capsys.readouterr().err
     assert json.loads((out / "eagle.json").read_text())["training"]["steps"] == 5
-    from lucebox_jax import LLM
+    from lucebox_jax import LLM, SamplingParams
 
-    llm = LLM(tiny_gguf, draft=f"eagle:{out}")
-    assert llm.spec.drafter.name == "eagle:head"
+    llm = LLM(tiny_gguf, draft="eagle")
+    assert llm.spec.drafter.name == "eagle:tiny-llama-eagle"
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(["hello", "abc abc"], sp)]
+    llm.spec = None
+    assert got == [o.outputs[0].token_ids for o in llm.generate(["hello", "abc abc"], sp)]
     assert main(["--model", str(tmp_path / "missing.gguf"), "--out", str(out)]) == 2
