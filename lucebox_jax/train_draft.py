@@ -294,7 +294,8 @@ def build_parser():
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--batch", type=int, default=16, help="sequences per training step")
     p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--unroll", type=int, default=3, help="draft steps unrolled in training")
+    p.add_argument("--unroll", type=int, default=4,
+                   help="draft steps unrolled in training; draft with K <= this (a later step is untrained)")
     p.add_argument("--ffn-mult", type=float, default=2.0, help="head MLP width / model width")
     p.add_argument("--save-every", type=int, default=500)
     p.add_argument("--time-budget", type=float, default=None, help="seconds of training at most")

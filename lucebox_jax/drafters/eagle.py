@@ -245,6 +245,49 @@ class EagleDrafter(Drafter):
         q = jnp.concatenate([q1[:, None], qs.transpose(1, 0, 2)], axis=1)
         return drafts, q, state.replace(k=kc, v=vc)
 
+    def propose_tree(self, params, state: EagleState, tok, start, width: int, depth: int):
+        """A token tree of width * depth nodes, beam style (EAGLE-2's best-first at a fixed size): the `width` most
+        likely tokens after `tok`, then at each depth the `width` best children (by cumulative log probability) of
+        all width * width candidates. Each frontier node runs the head on its own chain (committed cache + its
+        ancestors' keys: the pattern the head was trained on). The head's cache is not changed.
+        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth); nodes are
+        numbered depth-major: window index 1 + (d - 1) * width + w."""
+        from ..model import tree_attention
+
+        hc = self.hc
+        dt = jnp.dtype(hc.dtype)
+        b, w = tok.shape[0], width
+        lp = jax.nn.log_softmax(head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels))
+        score, ftok = jax.lax.top_k(lp, w)  # [B, W]
+        g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
+        ck = jnp.zeros((b, w, depth, hc.n_kv_heads, hc.head_dim), dt)
+        cv = jnp.zeros_like(ck)
+        toks, parents = [ftok], [jnp.zeros((b, w), jnp.int32)]
+        wi = jnp.arange(w)
+        for d in range(1, depth):
+            pos = jnp.broadcast_to((start - 1 + d)[:, None], (b, w))
+            q, k, v = head_qkv(hc, params.head, g, params.embed.lookup(ftok, dt), pos)
+            ck, cv = ck.at[:, :, d - 1].set(k), cv.at[:, :, d - 1].set(v)
+            # query w sees its own chain's keys 0 .. d - 1 (flattened window of W * depth keys)
+            anc = (wi[:, None, None] == wi[None, :, None]) & (jnp.arange(depth)[None, None, :] < d)
+            anc = jnp.broadcast_to(anc.reshape(1, w, w * depth), (b, w, w * depth))
+            o = tree_attention(q, state.k, state.v, start, ck.reshape(b, w * depth, *ck.shape[3:]),
+                               cv.reshape(b, w * depth, *cv.shape[3:]), anc, 1.0 / math.sqrt(hc.head_dim))
+            h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
+            lp = jax.nn.log_softmax(head_logits(hc, params.head, h, params.lm_head, self.target.kernels))
+            top_lp, top_tok = jax.lax.top_k(lp, w)  # [B, W, W]
+            cand = (score[:, :, None] + top_lp).reshape(b, w * w)
+            score, best = jax.lax.top_k(cand, w)
+            pw = best // w  # parent's frontier slot
+            ftok = jnp.take_along_axis(top_tok.reshape(b, w * w), best, axis=1)
+            take = lambda a: jnp.take_along_axis(a, pw.reshape(b, w, *([1] * (a.ndim - 2))), axis=1)  # noqa: E731
+            g, ck, cv = take(h), take(ck), take(cv)
+            toks.append(ftok)
+            parents.append(1 + (d - 1) * w + pw)
+        depths = jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), w)
+        return (jnp.concatenate(toks, axis=1).astype(jnp.int32), jnp.concatenate(parents, axis=1).astype(jnp.int32),
+                jnp.broadcast_to(depths[None], (b, w * depth)))
+
 
 def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, last, cache_len):
     b, t = toks.shape
