@@ -70,7 +70,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, kernels=None, kernels_module: str | None = None,
                  dtype: str | None = None, max_context: int | None = None, max_batch: int = 32, seed: int = 0,
                  use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128,
-                 draft=None, num_draft: int | str = 4):
+                 draft=None, num_draft: int | str = 4, tree: int | None = None):
         t0 = time.perf_counter()
         if compilation_cache:
             enable_compilation_cache()
@@ -89,7 +89,7 @@ class LLM:
         if draft is not None:
             from .speculative import SpeculativeDecoder
 
-            self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer)
+            self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer, tree=tree)
         self.max_batch = max_batch
         self._rng = np.random.default_rng(seed)
         self.load_seconds = time.perf_counter() - t0

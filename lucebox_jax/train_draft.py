@@ -247,12 +247,12 @@ def _save_state(path, head, opt_state, step):
 
 
 def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, prompts, max_new: int, k: int = 4,
-                       batch: int = 8) -> dict:
-    """Greedy speculative decoding with the head on held-out prompts: mean accepted drafts per step, and whether the
-    output equals plain greedy decoding token for token."""
+                       batch: int = 8, tree: int | None = None) -> dict:
+    """Greedy speculative decoding with the head (a chain of k, or a tree of `tree` nodes) on held-out prompts: mean
+    accepted drafts per step, and whether the output equals plain greedy decoding token for token."""
     from .speculative import SpeculativeDecoder
 
-    spec = SpeculativeDecoder(engine, EagleDrafter(hc, head, engine), k)
+    spec = SpeculativeDecoder(engine, EagleDrafter(hc, head, engine), k, tree=tree)
     hist, same, rows = None, 0, 0
     for i in range(0, len(prompts), batch):
         ps = prompts[i: i + batch]
@@ -276,7 +276,7 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
         h = np.asarray(spec.last_stats["acceptance_histogram"])
         hist = h if hist is None else hist + h
     mean = float(np.dot(np.arange(len(hist)), hist) / max(1, hist.sum()))
-    return {"k": k, "prompts": len(prompts), "mean_accepted": round(mean, 3), "tokens_per_step": round(mean + 1, 3),
+    return {"k": k, "tree": tree, "prompts": len(prompts), "mean_accepted": round(mean, 3), "tokens_per_step": round(mean + 1, 3),
             "histogram": hist.tolist(), "greedy_equal_rows": f"{same}/{rows}"}
 
 
@@ -301,6 +301,8 @@ def build_parser():
     p.add_argument("--time-budget", type=float, default=None, help="seconds of training at most")
     p.add_argument("--holdout", type=int, default=24, help="held-out chat prompts for the acceptance figure")
     p.add_argument("--holdout-tokens", type=int, default=96)
+    p.add_argument("--tree", type=int, default=32, help="also measure held-out acceptance with a tree of N nodes "
+                                                          "(0: chain only)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", default=None)
     return p
@@ -341,9 +343,11 @@ def main(argv=None) -> int:
                           time_budget=args.time_budget, log=log)
     del feats
     acc = heldout_acceptance(engine, hc, head, held, args.holdout_tokens) if held else {}
+    acc_tree = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, tree=args.tree) if (
+        held and args.tree) else {}
     info = {"target": model_name(args.model), "target_source": source, "data_sequences": len(toks),
             "data_tokens": int(mask.sum()), "data_seconds": round(gen_s, 1), "unroll": args.unroll,
-            "training": summary, "heldout": acc}
+            "training": summary, "heldout": acc, "heldout_tree": acc_tree}
     save_head(args.out, hc, head, info)
     log(f"head saved to {args.out} ({sum(int(np.prod(x.shape)) for x in jax.tree.leaves(head)) / 1e6:.2f} M "
         f"parameters); training {summary}")
@@ -351,6 +355,9 @@ def main(argv=None) -> int:
         log(f"held-out ({acc['prompts']} chat prompts, greedy, K={acc['k']}): mean accepted "
             f"{acc['mean_accepted']:.2f} drafts/step, {acc['tokens_per_step']:.2f} tokens/step, histogram "
             f"{acc['histogram']}, output equal to plain greedy in {acc['greedy_equal_rows']} rows")
+    if acc_tree:
+        log(f"held-out with a tree of {args.tree} nodes: mean accepted {acc_tree['mean_accepted']:.2f} drafts/step, "
+            f"histogram {acc_tree['histogram']}, equal to plain greedy in {acc_tree['greedy_equal_rows']} rows")
     log(f"total {time.perf_counter() - t_all:.1f} s")
     return 0
 

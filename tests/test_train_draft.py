@@ -39,6 +39,8 @@ def test_head_learns_a_bigram_target_and_drafts_it():
     assert acc["mean_accepted"] > 2.4, acc
     fresh = heldout_acceptance(eng, hc, init_head(hc, jax.random.key(0)), prompts[:8], 16, k=3, batch=8)
     assert fresh["mean_accepted"] < 0.5, fresh  # an untrained head (256-token vocabulary) accepts almost nothing
+    tree = heldout_acceptance(eng, hc, head, prompts[:8], 16, k=3, batch=8, tree=9)
+    assert tree["greedy_equal_rows"] == "8/8" and tree["mean_accepted"] >= acc["mean_accepted"] - 0.1, (tree, acc)
     unseen = heldout_acceptance(eng, hc, head, prompts[40:], 16, k=3, batch=8)
     assert unseen["greedy_equal_rows"] == "8/8" and unseen["mean_accepted"] > 1.0, unseen
 
@@ -48,10 +50,11 @@ def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsy
     out = tmp_path / "ck" / "tiny-llama-eagle"  # where bare `eagle` looks for the head of tiny-llama.gguf
     common = ["--model", tiny_gguf, "--out", str(out), "--chat-prompts", "6", "--raw-prompts", "2",
               "--gen-len", "8", "--seq-len", "32", "--gen-batch", "8", "--batch", "4", "--holdout", "2",
-              "--holdout-tokens", "8", "--save-every", "2"]
+              "--holdout-tokens", "8", "--save-every", "2", "--tree", "8"]
     assert main(common + ["--steps", "3"]) == 0
     meta = json.loads((out / "eagle.json").read_text())
     assert meta["training"]["steps"] == 3 and meta["heldout"]["greedy_equal_rows"] == "2/2"
+    assert meta["heldout_tree"]["greedy_equal_rows"] == "2/2"
     assert main(common + ["--steps", "5"]) == 0
     assert "resuming" in capsys.readouterr().err
     assert json.loads((out / "eagle.json").read_text())["training"]["steps"] == 5
