@@ -5,13 +5,15 @@
     PYTHONPATH=. python3 benchmarks/bench_spec.py --small                                     # CPU: A, small
     python3 benchmarks/bench_spec.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --drafters eagle,ngram --ks 4
 
-A. Embedded SmolLM2-135M-Instruct (or --model): for each drafter (eagle = the model's shipped draft head, ngram,
-   layers:N, a separate draft model = the embedded model itself, i.e. acceptance upper bound at full draft cost) and K, on the same chat prompts at batch 1, greedy and
+A. Embedded SmolLM2-135M-Instruct (or --model): for each drafter (eagle = the model's shipped draft head, also with
+   a --tree of N nodes; ngram; layers:N; a separate draft model = the embedded model itself, i.e. acceptance upper
+   bound at full draft cost) and K, on the same chat prompts at batch 1, greedy and
    temperature 0.7: mean accepted drafts per step, tokens per target step, and wall-clock speedup over plain decoding
    (each speculative pass is timed right after a plain pass of the same prompts; speedup = median of the per-pair
    ratios, which keeps a noisy shared machine from biasing one side). Compile time is excluded.
 B. (GPU, or --synthetic) Llama-3-8B-shaped random int4 weights: time of one verify over K + 1 tokens (target forward
-   + acceptance) relative to one decode step, K = 1, 2, 4, 8, 16, at context 1024, batch 1; and the cost of one
+   + acceptance) relative to one decode step, K = 1, 2, 4, 8, 16, and of a tree of 32 nodes (--syn-trees), at
+   context 1024, batch 1; and the cost of one
    draft token for layers:8 and a Llama-3.2-1B-shaped draft. From these, a PROJECTED speedup for assumed acceptance
    rates (random weights say nothing about acceptance; no acceptance is measured here).
 

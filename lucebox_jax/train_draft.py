@@ -185,7 +185,8 @@ def make_optimizer(lr: float, steps: int, warmup: int):
 def train(engine: Engine, hc: EagleConfig, feats, toks, mask, *, steps: int, batch: int, lr: float, unroll: int,
           seed: int = 0, out: str | None = None, save_every: int = 200, time_budget: float | None = None,
           head: HeadWeights | None = None, log=print):
-    """Train a head; resumes from `out`/train_state.msgpack when present. -> (head, summary dict)."""
+    """Train a head; resumes from `out`/train_state.msgpack when present (out: the state folder). -> (head, summary
+    dict)."""
     import optax
     from tqdm import tqdm
 
@@ -276,7 +277,8 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
         h = np.asarray(spec.last_stats["acceptance_histogram"])
         hist = h if hist is None else hist + h
     mean = float(np.dot(np.arange(len(hist)), hist) / max(1, hist.sum()))
-    return {"k": k, "tree": tree, "prompts": len(prompts), "mean_accepted": round(mean, 3), "tokens_per_step": round(mean + 1, 3),
+    return {"k": k, "tree": tree, "prompts": len(prompts), "mean_accepted": round(mean, 3),
+            "tokens_per_step": round(mean + 1, 3),
             "histogram": hist.tolist(), "greedy_equal_rows": f"{same}/{rows}"}
 
 
@@ -298,6 +300,7 @@ def build_parser():
                    help="draft steps unrolled in training; draft with K <= this (a later step is untrained)")
     p.add_argument("--ffn-mult", type=float, default=2.0, help="head MLP width / model width")
     p.add_argument("--save-every", type=int, default=500)
+    p.add_argument("--state-dir", default=None, help="folder of the resumable train_state.msgpack (default: --out)")
     p.add_argument("--time-budget", type=float, default=None, help="seconds of training at most")
     p.add_argument("--holdout", type=int, default=24, help="held-out chat prompts for the acceptance figure")
     p.add_argument("--holdout-tokens", type=int, default=96)
@@ -338,8 +341,10 @@ def main(argv=None) -> int:
     gen_s = time.perf_counter() - t0
     log(f"data: {len(toks)} sequences, {int(mask.sum())} tokens, features {tuple(feats.shape)} in {gen_s:.1f} s")
     os.makedirs(args.out, exist_ok=True)
+    os.makedirs(args.state_dir or args.out, exist_ok=True)
     head, summary = train(engine, hc, feats, toks, mask, steps=args.steps, batch=args.batch, lr=args.lr,
-                          unroll=args.unroll, seed=args.seed, out=args.out, save_every=args.save_every,
+                          unroll=args.unroll, seed=args.seed, out=args.state_dir or args.out,
+                          save_every=args.save_every,
                           time_budget=args.time_budget, log=log)
     del feats
     acc = heldout_acceptance(engine, hc, head, held, args.holdout_tokens) if held else {}

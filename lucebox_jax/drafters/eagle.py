@@ -30,7 +30,7 @@ from flax import serialization, struct
 
 from .. import ops
 from ..engine import Engine, pow2_at_least
-from ..model import EmbedTable, KVCache, init_cache, rms_norm, rope, _write_kv, forward
+from ..model import EmbedTable, _write_kv, forward, init_cache, rms_norm, rope
 from ..quant import linear
 from .base import DraftError, Drafter, register
 
