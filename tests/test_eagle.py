@@ -84,7 +84,7 @@ def test_head_files_round_trip_and_bad_input(eng, tmp_path):
 @pytest.mark.slow
 def test_embedded_greedy_equal_with_a_head(smol, tmp_path):
     """`eagle:PATH` on SmolLM2-135M (real weights, an untrained head saved and loaded from its files): greedy output
-    equals plain greedy output at batch 1 and 2."""
+    equals plain greedy output at batch 1 and 2, with a chain and with a tree."""
     hc = EagleConfig.for_target(smol.engine.cfg)
     save_head(str(tmp_path / "h"), hc, init_head(hc, jax.random.key(4)))
     from lucebox_jax import SamplingParams
@@ -97,5 +97,7 @@ def test_embedded_greedy_equal_with_a_head(smol, tmp_path):
     try:
         assert [o.outputs[0].token_ids for o in smol.generate(prompts, sp)] == ref
         assert [o.outputs[0].token_ids for o in smol.generate(prompts[:1], sp)] == ref[:1]
+        smol.spec = SpeculativeDecoder.create(smol.engine, f"eagle:{tmp_path / 'h'}", 4, tree=16)
+        assert [o.outputs[0].token_ids for o in smol.generate(prompts, sp)] == ref
     finally:
         smol.spec = None

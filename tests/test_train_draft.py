@@ -4,6 +4,8 @@ in training or drafting would make acceptance collapse. Also the command end to 
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -67,3 +69,11 @@ def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsy
     llm.spec = None
     assert got == [o.outputs[0].token_ids for o in llm.generate(["hello", "abc abc"], sp)]
     assert main(["--model", str(tmp_path / "missing.gguf"), "--out", str(out)]) == 2
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cli = [sys.executable, os.path.join(root, "run.py"), "--model", tiny_gguf, "--prompt", "abc", "--raw",
+           "--max-tokens", "8", "--num-draft", "4", "--tree", "8"]
+    env = dict(os.environ, LUCEBOX_CHECKPOINTS=str(tmp_path / "ck"))
+    r = subprocess.run(cli + ["--draft", "eagle"], capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert r.returncode == 0 and "histogram" in r.stderr, r.stderr
+    r = subprocess.run(cli + ["--draft", "ngram"], capture_output=True, text=True, timeout=600, cwd=root, env=env)
+    assert r.returncode == 2 and "tree" in r.stderr.strip().splitlines()[-1], r.stderr
