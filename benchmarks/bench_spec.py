@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
-"""Speculative decoding benchmark (issue 4). One run, CPU or GPU:
+"""Speculative decoding benchmark (issues 4, 13). One run, CPU or GPU:
 
     cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_spec.py            # GPU: A + B
     PYTHONPATH=. python3 benchmarks/bench_spec.py --small                                     # CPU: A, small
+    python3 benchmarks/bench_spec.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --drafters eagle,ngram --ks 4
 
-A. Embedded SmolLM2-135M-Instruct: for each drafter (ngram, layers:N, a separate draft model = the embedded model
-   itself, i.e. acceptance upper bound at full draft cost) and K, on the same chat prompts at batch 1, greedy and
+A. Embedded SmolLM2-135M-Instruct (or --model): for each drafter (eagle = the model's shipped draft head, also with
+   a --tree of N nodes; ngram; layers:N; a separate draft model = the embedded model itself, i.e. acceptance upper
+   bound at full draft cost) and K, on the same chat prompts at batch 1, greedy and
    temperature 0.7: mean accepted drafts per step, tokens per target step, and wall-clock speedup over plain decoding
    (each speculative pass is timed right after a plain pass of the same prompts; speedup = median of the per-pair
    ratios, which keeps a noisy shared machine from biasing one side). Compile time is excluded.
 B. (GPU, or --synthetic) Llama-3-8B-shaped random int4 weights: time of one verify over K + 1 tokens (target forward
-   + acceptance) relative to one decode step, K = 1, 2, 4, 8, 16, at context 1024, batch 1; and the cost of one
+   + acceptance) relative to one decode step, K = 1, 2, 4, 8, 16, and of a tree of 32 nodes (--syn-trees), at
+   context 1024, batch 1; and the cost of one
    draft token for layers:8 and a Llama-3.2-1B-shaped draft. From these, a PROJECTED speedup for assumed acceptance
    rates (random weights say nothing about acceptance; no acceptance is measured here).
 
@@ -68,7 +71,7 @@ def bench_embedded(args):
     from lucebox_jax.loader import default_model_path
     from lucebox_jax.speculative import SpeculativeDecoder
 
-    llm = LLM()
+    llm = LLM(args.model)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
     drafters = args.drafters.split(",")
@@ -87,21 +90,23 @@ def bench_embedded(args):
                 stats.append(llm.last_stats["speculative"])
         return secs, toks, stats
 
-    configs = [(d, k) for k in sorted(ks, key=lambda k: (k != 4, k)) for d in drafters]  # K=4 of each first
+    configs = [(d, k, None) for k in sorted(ks, key=lambda k: (k != 4, k)) for d in drafters]  # K=4 of each first
+    if args.tree:  # eagle drafters also with tree verification
+        configs[1:1] = [(d, k, args.tree) for d, k, _ in configs if d.startswith("eagle") and k == 4]
     if args.self_draft:
-        configs.append((f"model:{default_model_path()}", args.self_draft_k))
+        configs.append((f"model:{args.model or default_model_path()}", args.self_draft_k, None))
     for temp in temps:  # warm the plain path
         llm.spec = None
         one_pass(temp)
-    for d, k in configs:
+    for d, k, tree in configs:
         if left(args.budget) < args.reserve:
-            RESULTS["skipped"].append(f"embedded {d} K={k}")
-            log(f"skip {d} K={k}: budget")
+            RESULTS["skipped"].append(f"embedded {d} K={k} tree={tree}")
+            log(f"skip {d} K={k} tree={tree}: budget")
             continue
         try:
-            spec = SpeculativeDecoder.create(llm.engine, d, k, tokenizer=tok)
+            spec = SpeculativeDecoder.create(llm.engine, d, k, tokenizer=tok, tree=tree)
         except Exception as e:  # noqa: BLE001
-            RESULTS["errors"].append(f"{d} K={k}: {e}")
+            RESULTS["errors"].append(f"{d} K={k} tree={tree}: {e}")
             continue
         for temp in temps:
             llm.spec = spec
@@ -121,7 +126,8 @@ def bench_embedded(args):
             hist = np.sum([s["acceptance_histogram"] for s in all_stats], axis=0)
             steps = int(hist.sum())
             mean_acc = float(np.dot(np.arange(len(hist)), hist) / max(steps, 1))
-            row = {"drafter": spec.drafter.name, "k": k, "temperature": temp, "mean_accepted": round(mean_acc, 3),
+            row = {"drafter": spec.drafter.name + (f" tree{tree}" if tree else ""), "k": k, "temperature": temp,
+                   "mean_accepted": round(mean_acc, 3),
                    "tokens_per_step": round(mean_acc + 1, 3), "histogram": hist.tolist(),
                    "plain_tok_s": round(statistics.median(base_tps), 2),
                    "spec_tok_s": round(statistics.median(spec_tps), 2),
@@ -185,6 +191,19 @@ def bench_synthetic(args):
             return out.next_token[0].astype(jnp.float32), cache
         return f
 
+    def tree_fn(nodes, depth=4):
+        from lucebox_jax.tree import tree_verify
+
+        w = nodes // depth
+        parent = jnp.asarray([[0 if i < w else i - w + 1 for i in range(nodes)]], jnp.int32)  # w chains of `depth`
+        depths = jnp.asarray([[1 + i // w for i in range(nodes)]], jnp.int32)
+
+        def f(c, weights, cache):
+            n, _, nxt, _, _, cache = tree_verify(c, kernels, weights, cache, jnp.zeros((1,), jnp.int32),
+                                                 jnp.zeros((1, nodes), jnp.int32), parent, depths, rp, seen, w, depth)
+            return nxt[0].astype(jnp.float32), cache
+        return f
+
     def fresh(c):
         return init_cache(c, 1, s_len).replace(lengths=jnp.full((1,), ctx, jnp.int32))
 
@@ -202,6 +221,14 @@ def bench_synthetic(args):
         res["verify"].append({"k": k, "verify_ms": round(v, 3), "ratio": round(v / dec, 3)})
         save()
         log(f"target verify K={k} ({k + 1} tokens): {v:.2f} ms = {v / dec:.2f} x decode")
+    for nodes in [int(x) for x in args.syn_trees.split(",") if x]:
+        if left(args.budget) < 45:
+            RESULTS["skipped"].append(f"synthetic tree verify {nodes}")
+            continue
+        v = timed(loop_of(tree_fn(nodes), cfg), w, fresh(cfg))
+        res.setdefault("tree_verify", []).append({"nodes": nodes, "verify_ms": round(v, 3), "ratio": round(v / dec, 3)})
+        save()
+        log(f"target tree verify of {nodes} nodes (+ root): {v:.2f} ms = {v / dec:.2f} x decode")
     nl = min(8, cfg.n_layers - 1)
     drafts = [(f"layers:{nl}", cfg.replace(n_layers=nl), w.replace(layers=w.layers[:nl]))]
     c1 = ModelConfig(arch="llama", vocab_size=cfg.vocab_size, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
@@ -241,6 +268,7 @@ def tables():
         lines += ["", f"{syn['model']}, context {syn['context']}, decode step {syn.get('decode_ms')} ms",
                   "| K | verify ms | verify / decode |", "|---|---|---|"]
         lines += [f"| {v['k']} | {v['verify_ms']} | {v['ratio']} |" for v in syn["verify"]]
+        lines += [f"| tree {v['nodes']} nodes | {v['verify_ms']} | {v['ratio']} |" for v in syn.get("tree_verify", [])]
         lines += ["", "| draft | ms/token | / target decode |", "|---|---|---|"]
         lines += [f"| {d['drafter']} | {d['draft_ms']} | {d['ratio']} |" for d in syn["draft"]]
         if syn["projection"]:
@@ -260,9 +288,11 @@ def main():
     ap.add_argument("--small", action="store_true", help="CPU-sized: 3 prompts, 48 tokens, fewer configs")
     ap.add_argument("--synthetic", action="store_true", help="run part B even without a GPU")
     ap.add_argument("--no-embedded", action="store_true")
+    ap.add_argument("--model", default=None, help="GGUF or checkpoint for part A (default: the embedded model)")
     ap.add_argument("--no-synthetic", action="store_true")
     ap.add_argument("--drafters", default=None)
     ap.add_argument("--ks", default=None)
+    ap.add_argument("--tree", type=int, default=32, help="eagle drafters at K=4 also with a tree of N nodes (0: off)")
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
@@ -270,7 +300,8 @@ def main():
     ap.add_argument("--self-draft", action=argparse.BooleanOptionalAction, default=None,
                     help="also the embedded model as its own separate draft model")
     ap.add_argument("--self-draft-k", type=int, default=4)
-    ap.add_argument("--syn-ks", default="1,2,4,8,16")
+    ap.add_argument("--syn-ks", default="1,2,4,8,16", help="chain verify sizes")
+    ap.add_argument("--syn-trees", default="32", help="tree verify sizes (nodes; 8 branches x depth 4 for 32)")
     ap.add_argument("--syn-reps", type=int, default=16)
     ap.add_argument("--syn-preset", default="llama3-8b", help="synthetic.PRESETS name (tiny: a CPU smoke test)")
     ap.add_argument("--context", type=int, default=1024)
@@ -279,7 +310,7 @@ def main():
     args = ap.parse_args()
     gpu = jax.default_backend() == "gpu"
     small = args.small or not gpu
-    args.drafters = args.drafters or "ngram,layers:8"
+    args.drafters = args.drafters or "eagle,ngram,layers:8"
     args.ks = args.ks or ("2,4" if small else "2,4,8")
     args.prompts = args.prompts or (3 if small else 4)
     args.max_tokens = args.max_tokens or (48 if small else 96)

@@ -34,11 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-format", choices=("text", "json"), default="text")
     p.add_argument("--no-checkpoint", action="store_true", help="read the GGUF directly, never convert it")
     p.add_argument("--verbose", "-v", action="store_true")
-    p.add_argument("--draft", default=None, metavar="MODEL|layers:N|ngram",
-                   help="speculative decoding drafter: a draft model (.gguf or checkpoint sharing the vocabulary), "
+    p.add_argument("--draft", default=None, metavar="eagle[:PATH]|MODEL|layers:N|ngram",
+                   help="speculative decoding drafter: eagle (the model's trained draft head, or eagle:FOLDER), "
+                        "a draft model (.gguf or checkpoint sharing the vocabulary), "
                         "layers:N (the target's first N layers), or ngram[:N] (prompt lookup)")
     p.add_argument("--num-draft", default="4", metavar="K|auto",
                    help="draft tokens per step with --draft (default 4); auto adapts K in 1,2,4,8")
+    p.add_argument("--tree", type=int, default=None, metavar="N",
+                   help="with --draft eagle: verify a tree of N draft nodes (N // K branches per depth, depth K) "
+                        "in one target forward instead of a chain of K")
     from .jobs import add_job_arguments
 
     add_job_arguments(p)  # --input/--output batch jobs (jobs.py)
@@ -122,7 +126,7 @@ def _run(args) -> int:
     from .llm import LLM
 
     llm = LLM(args.model, kernels=args.kernels, max_context=args.max_context, use_checkpoint=not args.no_checkpoint,
-              draft=args.draft, num_draft=args.num_draft)
+              draft=args.draft, num_draft=args.num_draft, tree=args.tree)
     prompt = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -228,6 +228,7 @@ class Engine:
         self.weights = weights
         self.kernels = kernels
         self.compile_seconds = 0.0
+        self.model_name: str | None = None  # set by whoever loaded it (names the model's shipped draft head)
         self._seen_shapes: set = set()
 
     def _timed_first(self, key, fn, *args, **kw):

@@ -21,7 +21,7 @@ import numpy as np
 from . import ops
 from .engine import Engine, StepOut, enable_compilation_cache
 from .errors import EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
-from .loader import load_model
+from .loader import load_model, model_name
 from .ops import KernelSet
 from .sampling import RowParams, SamplingParams, is_int, utf8_ok
 from .tokenizer import StreamDecoder, Tokenizer
@@ -70,7 +70,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, kernels=None, kernels_module: str | None = None,
                  dtype: str | None = None, max_context: int | None = None, max_batch: int = 32, seed: int = 0,
                  use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128,
-                 draft=None, num_draft: int | str = 4):
+                 draft=None, num_draft: int | str = 4, tree: int | None = None):
         t0 = time.perf_counter()
         for name, v, lo in (("max_batch", max_batch, 1), ("max_context", max_context, 2), ("seed", seed, 0)):
             if (v is not None or name != "max_context") and (not is_int(v) or v < lo):
@@ -85,11 +85,12 @@ class LLM:
             cfg = cfg.replace(max_context=min(cfg.max_context, max_context))
         self.tokenizer = Tokenizer.from_gguf_metadata(tok_meta)
         self.engine = Engine(cfg, weights, kernel_set)
-        self.spec = None  # speculative decoding (speculative.py): draft "layers:N" | "ngram" | "model:PATH"
+        self.engine.model_name = model_name(model)  # finds the model's shipped draft head (drafters/eagle.py)
+        self.spec = None  # speculative decoding (speculative.py): draft "eagle" | "layers:N" | "ngram" | "model:PATH"
         if draft is not None:
             from .speculative import SpeculativeDecoder
 
-            self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer)
+            self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer, tree=tree)
         self.max_batch = max_batch
         self._rng = np.random.default_rng(seed)
         self.load_seconds = time.perf_counter() - t0

@@ -55,6 +55,13 @@ def checkpoint_root() -> str:
     return os.path.join(os.path.expanduser("~"), ".cache", "lucebox_jax", "checkpoints")
 
 
+def model_name(model: str | None = None) -> str:
+    """A model's name: its GGUF file name without extension, or its checkpoint folder's name (the converted
+    checkpoint of X.gguf is checkpoints/X/, so both give the same name)."""
+    path = os.path.normpath(model or default_model_path())
+    return os.path.basename(path) if os.path.isdir(path) else os.path.splitext(os.path.basename(path))[0]
+
+
 def default_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 

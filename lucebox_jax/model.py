@@ -125,22 +125,44 @@ def _write_kv(cache_l, new, start):
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_l, new, start)
 
 
-def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None):
+def tree_attention(q, kc, vc, n_visible, k_win, v_win, anc, scale):
+    """Attention of a token tree: q [B, T, Hq, hd] sees cache slots < n_visible[b] of kc/vc [B, Hkv, S, hd] and the
+    window keys k_win/v_win [B, T2, Hkv, hd] where anc [B, T, T2] (its ancestors and itself). Plain XLA."""
+    b, t, hq, hd = q.shape
+    hkv, s = kc.shape[1], kc.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, hd).astype(jnp.float32)
+    sc = jnp.einsum("bthgd,bhsd->bhgts", qg, kc.astype(jnp.float32)) * scale
+    sc = jnp.where((jnp.arange(s)[None, :] < n_visible[:, None])[:, None, None, None, :], sc, -1e30)
+    sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win.astype(jnp.float32)) * scale
+    sw = jnp.where(anc[:, None, None], sw, -1e30)
+    p = jax.nn.softmax(jnp.concatenate([sc, sw], axis=-1), axis=-1)
+    o = (jnp.einsum("bhgts,bhsd->bthgd", p[..., :s], vc.astype(jnp.float32))
+         + jnp.einsum("bhgtj,bjhd->bthgd", p[..., s:], v_win.astype(jnp.float32)))
+    return o.reshape(b, t, hq, hd).astype(q.dtype)
+
+
+def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None,
+            hidden_layers: tuple | None = None, tree=None):
     """Run `tokens` [B, T] at absolute positions start[b] + t; write their K/V into the cache.
 
     Returns (logits, cache). `cache.lengths` is left unchanged: the caller decides how far each row advances.
     last_only: None for logits at every position [B, T, V]; else an index array [B] -> logits [B, V] of that position.
+    hidden_layers: layer indices (static); then returns (logits, cache, hidden [B, T, len * D]): the residual stream
+    after each of those layers at every position, concatenated (draft heads read it; see drafters/eagle.py).
+    tree: (depth [B, T], anc [B, T, T]) for a token tree (speculative tree verify): token t sits at position
+    start + depth[t] but in cache slot start + t, and sees committed slots < start plus its ancestors `anc[t]`.
     """
     b, t = tokens.shape
     dt = jnp.dtype(cfg.dtype)
     hd, hq, hkv = cfg.head_dim, cfg.n_heads, cfg.n_kv_heads
     scale = cfg.attn_scale if cfg.attn_scale is not None else 1.0 / math.sqrt(hd)
-    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    positions = start[:, None] + (jnp.arange(t, dtype=jnp.int32)[None, :] if tree is None else tree[0])
     x = w.embed.lookup(tokens, dt)
     if cfg.embed_scale != 1.0:
         x = (x.astype(jnp.float32) * cfg.embed_scale).astype(dt)
     new_k, new_v = [], []
     decode = t == 1
+    hidden = [None] * len(hidden_layers or ())
     attn = ops.get("attention_decode" if decode else "attention_prefill",
                    kernels.attention_decode if decode else kernels.attention_prefill)
     for i, lw in enumerate(w.layers):
@@ -161,7 +183,9 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         new_v.append(vc)
         window = cfg.layer_window(i)
         extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
-        if decode:
+        if tree is not None:
+            o = tree_attention(q, kc, vc, start, k, v, tree[1], scale)
+        elif decode:
             o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
         else:
             o = attn(q, kc, vc, start, scale=scale, **extra)
@@ -172,10 +196,15 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         act = _ACTIVATIONS[cfg.activation](gu[..., : cfg.ffn_dim].astype(jnp.float32))
         o = linear((act * gu[..., cfg.ffn_dim :].astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
         x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))
+        if hidden_layers is not None and i in hidden_layers:
+            hidden[hidden_layers.index(i)] = x
     if last_only is not None:
         x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
     x = rms_norm(x, w.final_norm, cfg.rms_eps)
     logits = linear(x, w.head, kernels=kernels).astype(jnp.float32)
     if cfg.final_softcap > 0:
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
-    return logits, KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
+    if hidden_layers is not None:
+        return logits, cache, jnp.concatenate(hidden, axis=-1)
+    return logits, cache

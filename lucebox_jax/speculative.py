@@ -143,16 +143,28 @@ class VerifyOut:
     logprob: jax.Array  # [B, K+1] raw logprob of each committed token
     top_ids: jax.Array  # [B, K+1, k]
     top_vals: jax.Array  # [B, K+1, k]
+    hidden: jax.Array | None = None  # [B, K+1, F] target hidden states of `hidden_layers` (draft heads)
 
 
-def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, active, n_logprobs):
+def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, active, n_logprobs, hidden_layers=None):
     k = drafts.shape[1]
     TRACE_COUNTS[("verify", k)] += 1  # runs at trace time only
     b = tok.shape[0]
     start = cache.lengths
     tokens = jnp.concatenate([tok[:, None], drafts], axis=1)  # positions start .. start + K
-    logits, cache = forward(cfg, kernels, weights, cache, tokens, start)  # [B, K+1, V]
+    hidden = None
+    if hidden_layers:
+        logits, cache, hidden = forward(cfg, kernels, weights, cache, tokens, start, hidden_layers=hidden_layers)
+    else:
+        logits, cache = forward(cfg, kernels, weights, cache, tokens, start)  # [B, K+1, V]
     n, nxt = accept_tokens(logits, drafts, q, rp, start + 1, seen)
+    return _verify_out(logits, drafts, n, nxt, hidden, cache, start, active, n_logprobs)
+
+
+def _verify_out(logits, drafts, n, nxt, hidden, cache, start, active, n_logprobs):
+    """Committed tokens (d_1..d_n, next, then -1), their logprobs from logits [B, K+1, V] along the committed chain,
+    and the cache length advanced on active rows."""
+    b, k = drafts.shape
     n = jnp.where(active, n, 0)
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
@@ -164,7 +176,7 @@ def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, act
     else:
         vals, ids = jnp.zeros((b, k + 1, 0), jnp.float32), jnp.zeros((b, k + 1, 0), jnp.int32)
     cache = cache.replace(lengths=jnp.where(active, start + n + 1, start))
-    return VerifyOut(n, committed, nxt, chosen, ids.astype(jnp.int32), vals), cache
+    return VerifyOut(n, committed, nxt, chosen, ids.astype(jnp.int32), vals, hidden), cache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "n_logprobs"), donate_argnames=("cache",))
@@ -193,14 +205,16 @@ class SpecState:
     steps: jax.Array  # () target forwards (verify calls) run
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "drafter", "k", "n_logprobs"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "drafter", "k", "n_logprobs", "tree_width"),
                    donate_argnames=("state",))
 def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, dparams, state: SpecState,
-               rp: RowParams, stop_ids, row_max, max_steps, k: int, n_logprobs: int = 0):
-    """Up to `max_steps` speculative steps with K = k drafts, until every row is done. Fixed shapes throughout."""
+               rp: RowParams, stop_ids, row_max, max_steps, k: int, n_logprobs: int = 0, tree_width: int = 0):
+    """Up to `max_steps` speculative steps with K = k drafts, until every row is done. Fixed shapes throughout.
+    tree_width > 0: a tree of tree_width x k nodes per step instead of a chain (tree.py)."""
     b, m = state.bufs.tokens.shape
     s = state.cache.max_len
     kmax = state.hist.shape[0] - 1
+    span = max(kmax, tree_width * k)  # cache slots a step writes past the length
     rows = jnp.arange(b)[:, None]
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
 
@@ -212,13 +226,23 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         i, st = c
         start = st.cache.lengths
         active = ~st.done
-        if drafter.shares_target_cache:  # it drafts into the target's cache; the verify rewrites that window
+        if tree_width:
+            from .tree import tree_verify
+
+            tt, tp, td = drafter.propose_tree(dparams, st.dstate, st.tok, start, tree_width, k)
+            dstate = st.dstate
+            n, drafts, nxt, plog, hidden, cache = tree_verify(cfg, kernels, weights, st.cache, st.tok, tt, tp, td, rp,
+                                                              st.seen, tree_width, k, drafter.hidden_layers)
+            vo, cache = _verify_out(plog, drafts, n, nxt, hidden, cache, start, active, n_logprobs)
+        elif drafter.shares_target_cache:  # it drafts into the target's cache; the verify rewrites that window
             drafts, q, cache = drafter.propose(dparams, st.cache, st.prev, st.tok, start, rp, k)
             dstate = st.dstate
         else:
             drafts, q, dstate = drafter.propose(dparams, st.dstate, st.prev, st.tok, start, rp, k)
             cache = st.cache
-        vo, cache = _verify(cfg, kernels, weights, cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs)
+        if not tree_width:
+            vo, cache = _verify(cfg, kernels, weights, cache, st.tok, drafts, q, rp, st.seen, active, n_logprobs,
+                                drafter.hidden_layers)
         n = vo.n_accepted
         toks = vo.tokens
         stop = jnp.any(toks[..., None] == stop_ids[:, None, :], axis=-1) & (j <= n[:, None])
@@ -231,10 +255,12 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
                        put(st.bufs.top_ids, vo.top_ids), put(st.bufs.top_vals, vo.top_vals))
         count = st.count + jnp.sum(keep, axis=1).astype(jnp.int32)
         done = (st.done | jnp.any(stop & keep, axis=1) | (count >= row_max)
-                | (cache.lengths + kmax + 1 > s))
+                | (cache.lengths + span + 1 > s))
         seen = st.seen | jnp.any(jax.nn.one_hot(jnp.where(keep, toks, -1), st.seen.shape[-1], dtype=bool), axis=1)
         prev = jnp.where(n > 0, jnp.take_along_axis(drafts, jnp.maximum(n - 1, 0)[:, None], axis=1)[:, 0], st.tok)
         dstate = drafter.commit(dstate, st.tok, drafts, n, start)
+        if drafter.hidden_layers:  # a draft head catches up on the target's features of this verify
+            dstate = drafter.absorb(dparams, dstate, vo.hidden, vo.tokens, n, start)
         hist = st.hist + jnp.sum(jax.nn.one_hot(n, kmax + 1, dtype=jnp.int32) * active[:, None], axis=0)
         new = SpecState(cache=cache, dstate=dstate, prev=jnp.where(active, prev, st.prev),
                         tok=jnp.where(active, vo.next_token, st.tok), seen=seen, done=done, count=count, bufs=bufs,
@@ -259,7 +285,8 @@ class SpeculativeDecoder:
     num_draft: an int K (fixed; one device call per completion) or "auto" (adaptive among `k_choices`)."""
 
     def __init__(self, engine: Engine, drafter, num_draft: int | str = 4, k_choices=AUTO_K,
-                 adapt_every: int = 4, verify_cost: float | None = None, stream_steps: int = 2):
+                 adapt_every: int = 4, verify_cost: float | None = None, stream_steps: int = 2,
+                 tree: int | None = None):
         if isinstance(num_draft, str):
             if num_draft.strip().lower() != "auto":
                 try:
@@ -278,6 +305,18 @@ class SpeculativeDecoder:
         self.engine = engine
         self.drafter = drafter
         self.kmax = max(self.ks)
+        self.tree_width = 0  # tree verification: N nodes = width x depth K (tree.py)
+        if tree is not None:
+            if self.adaptive:
+                raise InvalidSamplingParamsError("--tree needs a fixed --num-draft K (the tree's depth), not auto")
+            if not hasattr(drafter, "propose_tree"):
+                raise InvalidSamplingParamsError(f"--tree needs a drafter that proposes trees (eagle), not "
+                                                 f"{drafter.name}")
+            if isinstance(tree, bool) or not isinstance(tree, int) or not self.kmax <= tree <= 256:
+                raise InvalidSamplingParamsError(f"--tree N needs an integer N in {self.kmax}..256 (nodes; width = "
+                                                 f"N // K), got {tree!r}")
+            self.tree_width = tree // self.kmax
+        self.span = max(self.kmax, self.tree_width * self.kmax)  # cache slots one step writes past a row's length
         self.adapt_every = adapt_every
         self.stream_steps = stream_steps
         # cost of one extra verified position relative to a decode step (for adaptive K; bench_spec measures it)
@@ -293,16 +332,17 @@ class SpeculativeDecoder:
 
     def describe(self) -> str:
         k = f"auto{list(self.ks)}" if self.adaptive else str(self.ks[0])
-        return f"{self.drafter.name}, K={k}"
+        tree = f", tree {self.tree_width}x{self.kmax}" if self.tree_width else ""
+        return f"{self.drafter.name}, K={k}{tree}"
 
     def cache_len(self, needed: int) -> int:
-        """Cache positions for prompt + completion of `needed` tokens plus the K + 1 a verify writes."""
-        return pow2_at_least(needed + self.kmax + 1, MIN_CACHE)
+        """Cache positions for prompt + completion of `needed` tokens plus the K + 1 (or tree) a verify writes."""
+        return pow2_at_least(needed + self.span + 1, MIN_CACHE)
 
     # -------------------------------------------------------------------------------------------- state
     def _init(self, cache: KVCache, prompts, first: StepOut, seen, stop_ids, row_max, n_logprobs):
         b = len(prompts)
-        needed = max(len(p) for p in prompts) + int(np.max(row_max)) + self.kmax + 1
+        needed = max(len(p) for p in prompts) + int(np.max(row_max)) + self.span + 1
         if cache.max_len < needed:
             raise InvalidSamplingParamsError(
                 f"cache holds {cache.max_len} positions but speculative decoding needs {needed} "
@@ -320,7 +360,10 @@ class SpeculativeDecoder:
         done = jnp.any(first.tokens[:, None] == stop, axis=-1) | (row_max <= 1)
         deng = getattr(self.drafter, "engine", None)
         c0 = deng.compile_seconds if deng is not None else 0.0
-        dstate = self.drafter.init_state(prompts, cache.max_len)
+        if self.drafter.hidden_layers:  # a draft head starts from the first generated token
+            dstate = self.drafter.init_state(prompts, cache.max_len, first=first.tokens)
+        else:
+            dstate = self.drafter.init_state(prompts, cache.max_len)
         if deng is not None:  # the draft's prefill compiles count as compile time of the run
             self.engine.compile_seconds += deng.compile_seconds - c0
         state = SpecState(cache=cache, dstate=dstate, prev=jnp.asarray([p[-1] for p in prompts], jnp.int32),
@@ -331,10 +374,10 @@ class SpeculativeDecoder:
     def _chunk(self, state: SpecState, rp, stop, row_max, max_steps: int, k: int, n_logprobs: int):
         eng = self.engine
         key = ("spec", self.drafter.key, k, state.bufs.tokens.shape, state.cache.max_len, n_logprobs,
-               stop.shape[1], self.kmax)
+               stop.shape[1], self.kmax, self.tree_width)
         return eng._timed_first(key, spec_chunk, eng.cfg, eng.kernels, self.drafter, eng.weights,
                                 self.drafter.params, state, rp, stop, row_max, jnp.int32(max_steps), k=k,
-                                n_logprobs=n_logprobs)
+                                n_logprobs=n_logprobs, tree_width=self.tree_width)
 
     def _pick_k(self, hist: np.ndarray, k_steps: dict) -> int:
         """Adaptive K: estimate the per-draft acceptance rate from the histogram so far and pick the K of best
@@ -369,6 +412,7 @@ class SpeculativeDecoder:
         rows = int(hist.sum())
         mean_acc = float(np.dot(np.arange(len(hist)), hist) / rows) if rows else 0.0
         st = {"drafter": self.drafter.name, "num_draft": "auto" if self.adaptive else self.ks[0],
+              "tree_nodes": self.tree_width * self.kmax,
               "target_steps": int(state.steps), "row_steps": rows, "mean_accepted": mean_acc,
               "tokens_per_step": mean_acc + 1.0 if rows else 0.0, "acceptance_histogram": hist.tolist(),
               "k_steps": {int(k): int(v) for k, v in sorted(getattr(self, "_k_steps", {}).items())}}

@@ -1,0 +1,369 @@
+"""`eagle[:PATH]`: a trained EAGLE-3-style draft head.
+
+One small decoder layer reads the target's own hidden states (the residual stream after a low, a middle and the last
+layer, each RMS-normalised, through one projection `fc`) together with the embedding of the current token, and
+predicts the next token with the target's embedding table and LM head (the same arrays, never copied). It then drafts
+autoregressively on its own output hidden state, K steps per round.
+
+Position bookkeeping (matches the target's cache contract): the head's input at position p is (feature of position
+p, token at p + 1) and its output predicts the token at p + 2. After a verify over [tok, d_1..d_K] at positions
+start .. start + K with n drafts accepted, `absorb` runs the head over that window with the target's true features
+and the committed tokens [d_1..d_n, next] (one fixed-shape pass; positions past n are rewritten later) and keeps its
+output at position start + n: the first draft of the next round comes from true features. `propose` then drafts
+d_1 from it and K - 1 more steps feeding its own hidden state back. The head has its own one-layer KV cache.
+
+The head file: `eagle.json` (head config, target identity, training summary) + `head.msgpack` (float16 arrays,
+flax.serialization). `--draft eagle` loads `checkpoints/<model name>-eagle/`, `eagle:PATH` a given folder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import serialization, struct
+
+from .. import ops
+from ..engine import Engine, pow2_at_least
+from ..model import EmbedTable, _write_kv, forward, init_cache, rms_norm, rope
+from ..quant import linear
+from .base import DraftError, Drafter, register
+
+HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
+FORMAT = "lucebox-eagle-1"
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleConfig:
+    """Static shape of a head and the target it belongs to (hashable: a jit static argument)."""
+
+    dim: int
+    feature_layers: tuple
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    target_layers: int
+    rope_theta: float = 10000.0
+    rope_interleaved: bool = True
+    rms_eps: float = 1e-5
+    dtype: str = "float32"
+
+    @classmethod
+    def for_target(cls, cfg, ffn_mult: float = 2.0) -> "EagleConfig":
+        n = cfg.n_layers
+        layers = tuple(sorted({min(2, n - 1), n // 2, n - 1}))  # low, middle, last (as EAGLE-3)
+        return cls(dim=cfg.dim, feature_layers=layers, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+                   head_dim=cfg.head_dim, ffn_dim=int(round(cfg.dim * ffn_mult / 32)) * 32,
+                   vocab_size=cfg.vocab_size, target_layers=n, rope_theta=cfg.rope_theta,
+                   rope_interleaved=cfg.rope_interleaved, rms_eps=cfg.rms_eps, dtype=cfg.dtype)
+
+    @property
+    def q_dim(self):
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self):
+        return self.n_kv_heads * self.head_dim
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["feature_layers"] = list(self.feature_layers)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "EagleConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        d = {k: v for k, v in d.items() if k in names}
+        return cls(**{**d, "feature_layers": tuple(d["feature_layers"])})
+
+
+@struct.dataclass
+class HeadWeights:
+    fc: jax.Array  # [F * D, D] fused target features -> D
+    norm_emb: jax.Array  # [D]
+    norm_feat: jax.Array  # [D]
+    wqkv: jax.Array  # [2 D, q + 2 kv]: attention reads [embedding, feature]
+    wo: jax.Array  # [q, D]
+    ffn_norm: jax.Array  # [D]
+    w_gate_up: jax.Array  # [D, 2 F]
+    w_down: jax.Array  # [F, D]
+    out_norm: jax.Array  # [D] before the target's LM head
+
+
+def init_head(hc: EagleConfig, key) -> HeadWeights:
+    """Random head (std 1/sqrt(fan_in); output projections scaled down so a fresh head starts near its input)."""
+    d, nf = hc.dim, len(hc.feature_layers)
+    ks = jax.random.split(key, 5)
+    nrm = lambda k, shape, s=1.0: jax.random.normal(k, shape, jnp.float32) * s / math.sqrt(shape[0])  # noqa: E731
+    one = jnp.ones((d,), jnp.float32)
+    return HeadWeights(fc=nrm(ks[0], (nf * d, d)), norm_emb=one, norm_feat=one,
+                       wqkv=nrm(ks[1], (2 * d, hc.q_dim + 2 * hc.kv_dim)), wo=nrm(ks[2], (hc.q_dim, d), 0.1),
+                       ffn_norm=one, w_gate_up=nrm(ks[3], (d, 2 * hc.ffn_dim)),
+                       w_down=nrm(ks[4], (hc.ffn_dim, d), 0.1), out_norm=one)
+
+
+# ---------------------------------------------------------------------------------------------------- the layer
+def fuse_features(hc: EagleConfig, hw: HeadWeights, feats):
+    """Target hidden states [..., F * D] -> head input g [..., D] (each layer's slice RMS-normalised first)."""
+    d = hc.dim
+    parts = [rms_norm(feats[..., i * d:(i + 1) * d], jnp.ones((d,), jnp.float32), hc.rms_eps)
+             for i in range(len(hc.feature_layers))]
+    x = jnp.concatenate(parts, axis=-1)
+    return jnp.dot(x, hw.fc.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def _mm(x, w):
+    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def head_qkv(hc: EagleConfig, hw: HeadWeights, g, emb, positions):
+    """g, emb [B, T, D] at positions [B, T] -> q [B, T, Hq, hd], k, v [B, T, Hkv, hd] (RoPE applied)."""
+    b, t, _ = g.shape
+    x = jnp.concatenate([rms_norm(emb, hw.norm_emb, hc.rms_eps), rms_norm(g, hw.norm_feat, hc.rms_eps)], axis=-1)
+    qkv = _mm(x, hw.wqkv)
+    q = qkv[..., : hc.q_dim].reshape(b, t, hc.n_heads, hc.head_dim)
+    k = qkv[..., hc.q_dim: hc.q_dim + hc.kv_dim].reshape(b, t, hc.n_kv_heads, hc.head_dim)
+    v = qkv[..., hc.q_dim + hc.kv_dim:].reshape(b, t, hc.n_kv_heads, hc.head_dim)
+    q = rope(q, positions, hc.rope_theta, hc.rope_interleaved)
+    k = rope(k, positions, hc.rope_theta, hc.rope_interleaved)
+    return q, k, v
+
+
+def head_out(hc: EagleConfig, hw: HeadWeights, g, o):
+    """Residual on g: attention output o [B, T, Hq * hd], then the MLP -> the head's hidden state h [B, T, D]."""
+    h = g + _mm(o, hw.wo)
+    gu = _mm(rms_norm(h, hw.ffn_norm, hc.rms_eps), hw.w_gate_up).astype(jnp.float32)
+    act = jax.nn.silu(gu[..., : hc.ffn_dim]) * gu[..., hc.ffn_dim:]
+    return h + _mm(act.astype(h.dtype), hw.w_down)
+
+
+def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None):
+    """h [..., D] -> logits [..., V] (float32) through the target's LM head."""
+    return linear(rms_norm(h, hw.out_norm, hc.rms_eps), lm_head, kernels=kernels).astype(jnp.float32)
+
+
+def _cached_layer(hc, hw, cache, g, emb, start):
+    """The head over T positions start .. start + T - 1 with its KV cache (keys at positions <= each query)."""
+    t = g.shape[1]
+    positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+    q, k, v = head_qkv(hc, hw, g, emb, positions)
+    kc, vc = _write_kv(cache[0], k, start), _write_kv(cache[1], v, start)
+    o = ops.get("attention_prefill", "xla")(q, kc, vc, start, scale=1.0 / math.sqrt(hc.head_dim))
+    return head_out(hc, hw, g, o.reshape(*g.shape[:2], hc.q_dim)), (kc, vc)
+
+
+@struct.dataclass
+class EagleParams:
+    head: HeadWeights
+    embed: EmbedTable  # the target's (same arrays)
+    lm_head: object  # the target's
+
+
+@struct.dataclass
+class EagleState:
+    k: jax.Array  # [B, Hkv, S, hd] the head's own cache
+    v: jax.Array
+    h_last: jax.Array  # [B, D] head output at position start - 1 (input: true feature, token at start)
+
+
+# ---------------------------------------------------------------------------------------------------- the drafter
+class EagleDrafter(Drafter):
+    """The draft head on a target `Engine`; `hc` static, `head` weights as data (see the module docstring)."""
+
+    def __init__(self, hc: EagleConfig, head: HeadWeights, engine: Engine, name: str = "eagle"):
+        cfg = engine.cfg
+        if (hc.vocab_size, hc.dim, hc.target_layers) != (cfg.vocab_size, cfg.dim, cfg.n_layers):
+            raise DraftError(f"draft head {name} was trained for a target with vocabulary {hc.vocab_size}, width "
+                             f"{hc.dim} and {hc.target_layers} layers; this model has {cfg.vocab_size}, {cfg.dim} "
+                             f"and {cfg.n_layers}")
+        self.hc = dataclasses.replace(hc, dtype=cfg.dtype)
+        self.target = engine
+        self.name = name
+        self.hidden_layers = self.hc.feature_layers
+        self.key = ("eagle", self.hc, cfg, engine.kernels)
+        dt = jnp.dtype(cfg.dtype)
+        self._params = EagleParams(jax.tree.map(lambda a: jnp.asarray(a, dt), head), engine.weights.embed,
+                                   engine.weights.head)
+        self.cost_ratio = 0.1  # one layer + the LM head of a 30-layer target (adaptive K only)
+
+    @property
+    def params(self):
+        return self._params
+
+    def init_state(self, prompts, cache_len, first=None):
+        """Target features of the prompt (one extra forward), then the head over positions 0 .. P - 1 with the
+        next tokens (prompt[1:] + the first generated token)."""
+        if first is None:
+            raise DraftError("the eagle drafter needs the first generated token to start")
+        b = len(prompts)
+        t = pow2_at_least(max(len(p) for p in prompts), 16)
+        toks, nxt = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+        first = np.asarray(first)
+        for r, p in enumerate(prompts):
+            toks[r, : len(p)] = p
+            nxt[r, : len(p)] = list(p[1:]) + [int(first[r])]
+        last = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
+        eng = self.target
+        return eng._timed_first(("eagle-init", self.key, b, t, cache_len), _eagle_init, eng.cfg, eng.kernels,
+                                self.hc, eng.weights, self._params, jnp.asarray(toks), jnp.asarray(nxt), last,
+                                cache_len)
+
+    def absorb(self, params, state: EagleState, hidden, tokens, n, start):
+        hc = self.hc
+        g = fuse_features(hc, params.head, hidden.astype(jnp.dtype(hc.dtype)))
+        emb = params.embed.lookup(jnp.maximum(tokens, 0), jnp.dtype(hc.dtype))
+        h, (kc, vc) = _cached_layer(hc, params.head, (state.k, state.v), g, emb, start)
+        h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]
+        return EagleState(kc, vc, h_last)
+
+    def propose(self, params, state: EagleState, prev, tok, start, rp, k):
+        from ..speculative import draw
+
+        hc, ks = self.hc, self.target.kernels
+        dt = jnp.dtype(hc.dtype)
+        d1, q1 = draw(head_logits(hc, params.head, state.h_last, params.lm_head, ks), rp, start + 1)
+
+        def step(carry, j):
+            kc, vc, h, d = carry
+            emb = params.embed.lookup(d[:, None], dt)
+            h2, (kc, vc) = _cached_layer(hc, params.head, (kc, vc), h[:, None], emb, start - 1 + j)
+            d2, q2 = draw(head_logits(hc, params.head, h2[:, 0], params.lm_head, ks), rp, start + j + 1)
+            return (kc, vc, h2[:, 0], d2), (d2, q2)
+
+        if k == 1:
+            return d1[:, None], q1[:, None], state
+        (kc, vc, _, _), (ds, qs) = jax.lax.scan(step, (state.k, state.v, state.h_last, d1),
+                                                jnp.arange(1, k, dtype=jnp.int32))
+        drafts = jnp.concatenate([d1[:, None], ds.T], axis=1)
+        q = jnp.concatenate([q1[:, None], qs.transpose(1, 0, 2)], axis=1)
+        return drafts, q, state.replace(k=kc, v=vc)
+
+    def propose_tree(self, params, state: EagleState, tok, start, width: int, depth: int):
+        """A token tree of width * depth nodes, beam style (EAGLE-2's best-first at a fixed size): the `width` most
+        likely tokens after `tok`, then at each depth the `width` best children (by cumulative log probability) of
+        all width * width candidates. Each frontier node runs the head on its own chain (committed cache + its
+        ancestors' keys: the pattern the head was trained on). The head's cache is not changed.
+        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth); nodes are
+        numbered depth-major: window index 1 + (d - 1) * width + w."""
+        from ..model import tree_attention
+
+        hc = self.hc
+        dt = jnp.dtype(hc.dtype)
+        b, w = tok.shape[0], width
+        lp = jax.nn.log_softmax(head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels))
+        score, ftok = jax.lax.top_k(lp, w)  # [B, W]
+        g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
+        ck = jnp.zeros((b, w, depth, hc.n_kv_heads, hc.head_dim), dt)
+        cv = jnp.zeros_like(ck)
+        toks, parents = [ftok], [jnp.zeros((b, w), jnp.int32)]
+        wi = jnp.arange(w)
+        for d in range(1, depth):
+            pos = jnp.broadcast_to((start - 1 + d)[:, None], (b, w))
+            q, k, v = head_qkv(hc, params.head, g, params.embed.lookup(ftok, dt), pos)
+            ck, cv = ck.at[:, :, d - 1].set(k), cv.at[:, :, d - 1].set(v)
+            # query w sees its own chain's keys 0 .. d - 1 (flattened window of W * depth keys)
+            anc = (wi[:, None, None] == wi[None, :, None]) & (jnp.arange(depth)[None, None, :] < d)
+            anc = jnp.broadcast_to(anc.reshape(1, w, w * depth), (b, w, w * depth))
+            o = tree_attention(q, state.k, state.v, start, ck.reshape(b, w * depth, *ck.shape[3:]),
+                               cv.reshape(b, w * depth, *cv.shape[3:]), anc, 1.0 / math.sqrt(hc.head_dim))
+            h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
+            lp = jax.nn.log_softmax(head_logits(hc, params.head, h, params.lm_head, self.target.kernels))
+            top_lp, top_tok = jax.lax.top_k(lp, w)  # [B, W, W]
+            cand = (score[:, :, None] + top_lp).reshape(b, w * w)
+            score, best = jax.lax.top_k(cand, w)
+            pw = best // w  # parent's frontier slot
+            ftok = jnp.take_along_axis(top_tok.reshape(b, w * w), best, axis=1)
+            take = lambda a: jnp.take_along_axis(a, pw.reshape(b, w, *([1] * (a.ndim - 2))), axis=1)  # noqa: E731
+            g, ck, cv = take(h), take(ck), take(cv)
+            toks.append(ftok)
+            parents.append(1 + (d - 1) * w + pw)
+        depths = jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), w)
+        return (jnp.concatenate(toks, axis=1).astype(jnp.int32), jnp.concatenate(parents, axis=1).astype(jnp.int32),
+                jnp.broadcast_to(depths[None], (b, w * depth)))
+
+
+def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, last, cache_len):
+    b, t = toks.shape
+    scratch = init_cache(cfg, b, t)
+    _, _, hidden = forward(cfg, kernels, weights, scratch, toks, jnp.zeros((b,), jnp.int32),
+                           last_only=jnp.zeros((b,), jnp.int32), hidden_layers=hc.feature_layers)
+    shape = (b, hc.n_kv_heads, cache_len, hc.head_dim)
+    dt = jnp.dtype(hc.dtype)
+    empty = EagleState(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((b, hc.dim), dt))
+    g = fuse_features(hc, params.head, hidden.astype(dt))
+    emb = params.embed.lookup(nxt, dt)
+    h, (kc, vc) = _cached_layer(hc, params.head, (empty.k, empty.v), g, emb, jnp.zeros((b,), jnp.int32))
+    return EagleState(kc, vc, jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0])
+
+
+_eagle_init = jax.jit(_eagle_init_impl, static_argnames=("cfg", "kernels", "hc", "cache_len"))
+
+
+# ---------------------------------------------------------------------------------------------------- files
+def save_head(folder: str, hc: EagleConfig, head: HeadWeights, info: dict | None = None):
+    """Write eagle.json + head.msgpack (float16) into `folder` (atomically: temp files, then rename)."""
+    os.makedirs(folder, exist_ok=True)
+    arrays = {k: np.asarray(v, np.float32).astype(np.float16) for k, v in serialization.to_state_dict(head).items()}
+    blob = serialization.msgpack_serialize(arrays)
+    meta = {"format": FORMAT, "config": hc.to_dict(), **(info or {})}
+    for name, data, mode in ((HEAD_FILE, blob, "wb"), (CONFIG_FILE, json.dumps(meta, indent=1, default=str), "w")):
+        tmp = os.path.join(folder, name + ".tmp")
+        with open(tmp, mode) as f:
+            f.write(data)
+        os.replace(tmp, os.path.join(folder, name))
+
+
+def load_head(folder: str) -> tuple[EagleConfig, HeadWeights, dict]:
+    cfg_path, head_path = os.path.join(folder, CONFIG_FILE), os.path.join(folder, HEAD_FILE)
+    if not (os.path.isfile(cfg_path) and os.path.isfile(head_path)):
+        raise DraftError(f"no draft head in {os.path.abspath(folder)} (needs {CONFIG_FILE} and {HEAD_FILE}); "
+                         "train one with: python -m lucebox_jax.train_draft --model MODEL --out FOLDER")
+    try:
+        with open(cfg_path) as f:
+            meta = json.load(f)
+        if meta.get("format") != FORMAT:
+            raise DraftError(f"{cfg_path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        hc = EagleConfig.from_dict(meta["config"])
+        with open(head_path, "rb") as f:
+            arrays = serialization.msgpack_restore(f.read())
+        head = serialization.from_state_dict(init_head(hc, jax.random.key(0)),
+                                             {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()})
+    except DraftError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any corrupt file ends in one clear error
+        raise DraftError(f"cannot read the draft head in {folder}: {e}") from e
+    want = jax.tree.map(jnp.shape, init_head(hc, jax.random.key(0)))
+    if jax.tree.map(jnp.shape, head) != want:
+        raise DraftError(f"draft head in {folder} has array shapes that do not match its {CONFIG_FILE}")
+    return hc, head, meta
+
+
+def shipped_head_dir(model_name: str) -> str:
+    """Where the head of a model (GGUF name without extension) is looked for: the repository's checkpoints/ first,
+    then $LUCEBOX_CHECKPOINTS."""
+    from ..loader import REPO_ROOT
+
+    cands = [os.path.join(REPO_ROOT, "checkpoints", f"{model_name}-eagle")]
+    if os.environ.get("LUCEBOX_CHECKPOINTS"):
+        cands.append(os.path.join(os.environ["LUCEBOX_CHECKPOINTS"], f"{model_name}-eagle"))
+    return next((c for c in cands if os.path.isfile(os.path.join(c, CONFIG_FILE))), cands[0])
+
+
+@register("eagle", "eagle[:PATH]")
+def _eagle(arg: str, engine: Engine, tokenizer=None) -> Drafter:
+    if arg:
+        folder = arg
+    else:
+        name = getattr(engine, "model_name", None)
+        if not name:
+            raise DraftError("eagle without a path needs to know the loaded model's name; use eagle:PATH")
+        folder = shipped_head_dir(name)
+    hc, head, _ = load_head(folder)
+    return EagleDrafter(hc, head, engine, f"eagle:{os.path.basename(os.path.normpath(folder))}")

@@ -1,0 +1,124 @@
+"""Tree verification (`--tree N`): the drafter proposes a static-shape tree of N = width x depth nodes, the target
+checks every node in ONE forward with a tree attention mask (model.forward(tree=...); one compile per shape), the
+longest accepted root-to-leaf path is committed and its KV entries are moved into place.
+
+Window layout: slot start + 0 holds the root (the newest committed token), slot start + i node i (depth-major
+numbering); node i sits at position start + depth[i]. After acceptance the path's nodes at depths 1..n move to slots
+start + 1 .. start + n, where a chain would have put them, so the cache contract of speculative.py holds again.
+
+Acceptance walks the tree from the root. Greedy rows follow the child equal to the target's argmax. Sampled rows use
+recursive rejection sampling over the children (deterministic drafts, as SpecInfer / EAGLE-2): child c is accepted
+with probability p'(c); on rejection p' loses c and is renormalised; if every child is rejected the next token is
+drawn from the last p'. The committed output follows the target's distribution exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from .model import KVCache, forward
+from .sampling import filter_logits
+
+TAG_TREE = 4
+
+
+def ancestors(parent, depth: int):
+    """parent [B, N] (window indices, 0 = root) -> anc [B, 1 + N, 1 + N]: window j is an ancestor of i, or i."""
+    b, n = parent.shape
+    par = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], axis=1)
+    idx = jnp.broadcast_to(jnp.arange(n + 1, dtype=jnp.int32)[None], (b, n + 1))
+    anc = jax.nn.one_hot(idx, n + 1, dtype=bool)
+    for _ in range(depth):
+        idx = jnp.take_along_axis(par, idx, axis=1)
+        anc = anc | jax.nn.one_hot(idx, n + 1, dtype=bool)
+    return anc
+
+
+def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
+    """Walk the tree. logits [B, 1 + N, V] (float32, penalties applied), tokens/parent/depths [B, N].
+    -> (n accepted [B], path [B, depth] window indices (0 past n), next token [B])."""
+    b = logits.shape[0]
+    rows = jnp.arange(b)
+    arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + N]
+    hot = rp.temperature > 0
+    v = logits.shape[-1]
+
+    def probs(cur):
+        x = filter_logits(logits[rows, cur], rp.temperature, rp.top_k, rp.top_p, rp.min_p)
+        return jax.nn.softmax(x, axis=-1)
+
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    n = jnp.zeros((b,), jnp.int32)
+    p = jax.lax.cond(jnp.any(hot), probs, lambda c: jnp.zeros((b, v), jnp.float32), cur)
+    path = []
+    for d in range(1, depth + 1):
+        lo = (d - 1) * width  # this depth's nodes: window 1 + lo .. lo + width
+        want = arg[rows, cur]
+        found, nxt_cur = jnp.zeros((b,), bool), cur
+        for w in range(width):
+            node = lo + w
+            child = alive & (parent[:, node] == cur) & ~found
+            t = tokens[:, node]
+            u = jax.vmap(lambda k, pos: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
+                jax.random.fold_in(jax.random.wrap_key_data(k), pos), TAG_TREE), node)))(keys, pos0 + d - 1)
+            pt = p[rows, t]
+            ok = jnp.where(hot, u < pt, t == want) & child
+            found = found | ok
+            nxt_cur = jnp.where(ok, node + 1, nxt_cur)
+            # a rejected sampled child leaves the residual
+            rej = child & ~ok & hot
+            p = jnp.where(rej[:, None], p.at[rows, t].set(0.0), p)
+            p = jnp.where(rej[:, None], p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30), p)
+        cur = jnp.where(found, nxt_cur, cur)
+        path.append(jnp.where(found, nxt_cur, 0))
+        n = n + found.astype(jnp.int32)
+        alive = alive & found
+        fresh = jax.lax.cond(jnp.any(hot), probs, lambda c: p, cur)
+        p = jnp.where(found[:, None], fresh, p)  # a new node: its own distribution
+    g = jax.vmap(lambda k, pos: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(
+        jax.random.wrap_key_data(k), pos), TAG_TREE + 1), (v,), jnp.float32))(keys, pos0 + n)
+    sampled = jnp.argmax(jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf) + g, axis=-1).astype(jnp.int32)
+    nxt = jnp.where(hot, sampled, arg[rows, cur])
+    return n, jnp.stack(path, axis=1), nxt
+
+
+def move_path_kv(cache: KVCache, start, path, depth: int) -> KVCache:
+    """Copy the path's window slots start + path[j] to slots start + 1 + j in every layer."""
+    src = start[:, None] + path  # [B, depth]
+
+    def move(c):
+        got = jnp.take_along_axis(c, src[:, None, :, None], axis=2)  # [B, Hkv, depth, hd]
+        return jax.vmap(lambda cc, g, s: jax.lax.dynamic_update_slice(cc, g, (0, s, 0)))(c, got, start + 1)
+
+    return KVCache(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v), lengths=cache.lengths)
+
+
+def tree_verify(cfg, kernels, weights, cache: KVCache, tok, tokens, parent, depths, rp, seen, width: int,
+                depth: int, hidden_layers=None):
+    """The target over [root, nodes] in one forward; acceptance; the path's KV moved into place.
+    -> (n [B], path tokens [B, depth], next token [B], logits along the path [B, depth + 1, V], hidden along the path
+    [B, depth + 1, F] or None, cache (lengths unchanged))."""
+    b = tok.shape[0]
+    start = cache.lengths
+    win = jnp.concatenate([tok[:, None], tokens], axis=1)
+    anc = ancestors(parent, depth)
+    dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depths], axis=1)
+    out = forward(cfg, kernels, weights, cache, win, start, tree=(dep, anc), hidden_layers=hidden_layers)
+    logits, cache = out[0], out[1]
+    raw = logits
+    if seen is not None:  # repetition penalty: node i has also seen its ancestors (and itself)
+        seen_i = seen[:, None, :] | (jnp.einsum("bij,bjv->biv", (anc & (jnp.arange(win.shape[1]) > 0)[None, None])
+                                                .astype(jnp.float32),
+                                                jax.nn.one_hot(win, logits.shape[-1], dtype=jnp.float32)) > 0)
+        pen = rp.rep_penalty[:, None, None]
+        logits = jax.lax.cond(jnp.any(rp.rep_penalty != 1.0), lambda x: jnp.where(
+            seen_i, jnp.where(x > 0, x / pen, x * pen), x), lambda x: x, logits)
+    n, path, nxt = tree_accept(logits, tokens, parent, depths, rp, rp.keys, start + 1, width, depth)
+    cache = move_path_kv(cache, start, path, depth)
+    along = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # window indices of the committed chain
+    path_logits = jnp.take_along_axis(raw, along[:, :, None], axis=1)
+    path_tokens = jnp.take_along_axis(tokens, jnp.maximum(path - 1, 0), axis=1)
+    hidden = None if hidden_layers is None else jnp.take_along_axis(out[2], along[:, :, None], axis=1)
+    return n, path_tokens, nxt, path_logits, hidden, cache

@@ -1,0 +1,103 @@
+"""The EAGLE-style draft head (drafters/eagle.py): greedy output equal to plain greedy (an untrained head), its files
+(save / load / bad input), and the target's hidden states it reads. Training: test_train_draft.py."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lucebox_jax.drafters import DraftError, EagleDrafter, build
+from lucebox_jax.drafters.eagle import EagleConfig, init_head, load_head, save_head
+from lucebox_jax.engine import Engine, enable_compilation_cache
+from lucebox_jax.model import forward, init_cache
+from lucebox_jax.ops import KernelSet
+from lucebox_jax.speculative import SpeculativeDecoder
+from lucebox_jax.synthetic import PRESETS, random_weights
+from test_speculative import run, tiny_prompts
+
+CFG = PRESETS["tiny"]
+KS = KernelSet()
+
+
+@pytest.fixture(scope="module")
+def eng():
+    enable_compilation_cache()
+    return Engine(CFG, random_weights(CFG, jax.random.key(3), group_size=32, asymmetric=True), KS)
+
+
+def test_forward_hidden_layers_are_the_residual_stream(eng):
+    """hidden_layers=(last,) through the final norm and head gives the same logits forward returns."""
+    toks = jnp.asarray([[1, 2, 3, 4, 5]], jnp.int32)
+    cache = init_cache(CFG, 1, 16)
+    logits, _ = forward(CFG, KS, eng.weights, cache, toks, jnp.zeros((1,), jnp.int32))
+    lg2, _, hid = forward(CFG, KS, eng.weights, cache, toks, jnp.zeros((1,), jnp.int32), hidden_layers=(0, 1))
+    assert hid.shape == (1, 5, 2 * CFG.dim) and np.allclose(logits, lg2)
+    from lucebox_jax.model import rms_norm
+    from lucebox_jax.quant import linear
+
+    again = linear(rms_norm(hid[..., CFG.dim:], eng.weights.final_norm, CFG.rms_eps), eng.weights.head)
+    assert np.allclose(np.asarray(again), np.asarray(logits), atol=1e-4)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_untrained_head_greedy_equal(eng, k):
+    hc = EagleConfig.for_target(CFG)
+    d = EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng)
+    ps = tiny_prompts([10, 17, 5], seed=3)
+    ref = run(eng, None, ps, 20)
+    spec = SpeculativeDecoder(eng, d, k)
+    assert run(eng, spec, ps, 20) == ref
+    assert run(eng, spec, ps[:1], 20) == ref[:1]
+    assert spec.last_stats["row_steps"] > 0
+
+
+def test_head_files_round_trip_and_bad_input(eng, tmp_path):
+    hc = EagleConfig.for_target(CFG)
+    h = init_head(hc, jax.random.key(2))
+    save_head(str(tmp_path / "h"), hc, h, {"acceptance": 0.5})
+    hc2, h2, meta = load_head(str(tmp_path / "h"))
+    assert hc2 == hc and meta["acceptance"] == 0.5
+    for a, b in zip(jax.tree.leaves(h), jax.tree.leaves(h2)):
+        assert np.allclose(np.asarray(a), np.asarray(b), atol=2e-3 * float(np.abs(np.asarray(a)).max()) + 1e-3)
+    d = build(f"eagle:{tmp_path / 'h'}", eng)
+    assert d.name == "eagle:h" and d.hidden_layers == hc.feature_layers
+    with pytest.raises(DraftError, match="no draft head"):
+        build(f"eagle:{tmp_path / 'none'}", eng)
+    (tmp_path / "h" / "head.msgpack").write_bytes(b"garbage")
+    with pytest.raises(DraftError, match="cannot read"):
+        build(f"eagle:{tmp_path / 'h'}", eng)
+    save_head(str(tmp_path / "w"), EagleConfig.from_dict({**hc.to_dict(), "vocab_size": 999}), h)
+    with pytest.raises(DraftError, match="vocabulary 999"):
+        build(f"eagle:{tmp_path / 'w'}", eng)
+    meta = json.loads((tmp_path / "w" / "eagle.json").read_text())
+    meta["format"] = "other"
+    (tmp_path / "w" / "eagle.json").write_text(json.dumps(meta))
+    with pytest.raises(DraftError, match="format"):
+        build(f"eagle:{tmp_path / 'w'}", eng)
+    with pytest.raises(DraftError, match="model's name"):
+        build("eagle", eng)
+
+
+@pytest.mark.slow
+def test_embedded_greedy_equal_with_a_head(smol, tmp_path):
+    """`eagle:PATH` on SmolLM2-135M (real weights, an untrained head saved and loaded from its files): greedy output
+    equals plain greedy output at batch 1 and 2, with a chain and with a tree."""
+    hc = EagleConfig.for_target(smol.engine.cfg)
+    save_head(str(tmp_path / "h"), hc, init_head(hc, jax.random.key(4)))
+    from lucebox_jax import SamplingParams
+
+    prompts = ["The capital of France is", "def add(a, b):\n    return a + b\n"]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    smol.spec = None
+    ref = [o.outputs[0].token_ids for o in smol.generate(prompts, sp)]
+    smol.spec = SpeculativeDecoder.create(smol.engine, f"eagle:{tmp_path / 'h'}", 4)
+    try:
+        assert [o.outputs[0].token_ids for o in smol.generate(prompts, sp)] == ref
+        assert [o.outputs[0].token_ids for o in smol.generate(prompts[:1], sp)] == ref[:1]
+        smol.spec = SpeculativeDecoder.create(smol.engine, f"eagle:{tmp_path / 'h'}", 4, tree=16)
+        assert [o.outputs[0].token_ids for o in smol.generate(prompts, sp)] == ref
+    finally:
+        smol.spec = None

@@ -1,0 +1,92 @@
+"""Tree verification (tree.py, `--tree N`): greedy output equal to plain greedy (tiny model, eagle head, several
+tree shapes, batch 3 and 1, repetition penalty), one compile per shape, and the recursive rejection sampling over a
+tree follows the target's distribution (chi-square, significance 0.001)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lucebox_jax import SamplingParams
+from lucebox_jax.drafters import EagleDrafter, build
+from lucebox_jax.drafters.eagle import EagleConfig, init_head
+from lucebox_jax.engine import Engine, enable_compilation_cache
+from lucebox_jax.errors import InvalidSamplingParamsError
+from lucebox_jax.ops import KernelSet
+from lucebox_jax.sampling import RowParams
+from lucebox_jax.speculative import SpeculativeDecoder
+from lucebox_jax.synthetic import PRESETS, random_weights
+from lucebox_jax.tree import ancestors, tree_accept
+from test_speculative import run, tiny_prompts
+
+CFG = PRESETS["tiny"]
+
+
+@pytest.fixture(scope="module")
+def eng():
+    enable_compilation_cache()
+    return Engine(CFG, random_weights(CFG, jax.random.key(3), group_size=32, asymmetric=True), KernelSet())
+
+
+def test_ancestors():
+    parent = jnp.asarray([[0, 0, 1, 2, 3]], jnp.int32)  # nodes 1, 2 under the root; 3 under 1; 4 under 2; 5 under 3
+    anc = np.asarray(ancestors(parent, 3))[0]
+    assert anc[5].tolist() == [True, True, False, True, False, True]
+    assert anc[4].tolist() == [True, False, True, False, True, False]
+    assert anc[0].tolist() == [True] + [False] * 5
+
+
+def test_tree_greedy_equal(eng, nodes=12, k=3):
+    hc = EagleConfig.for_target(CFG)
+    d = EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng)
+    ps = tiny_prompts([10, 17, 5], seed=3)
+    spec = SpeculativeDecoder(eng, d, k, tree=nodes)
+    assert spec.describe().endswith(f"tree {nodes // k}x{k}")
+    assert run(eng, spec, ps, 16) == run(eng, None, ps, 16)
+    assert run(eng, spec, ps[:1], 16) == run(eng, None, ps[:1], 16)
+    assert run(eng, spec, ps, 16, rep=1.5) == run(eng, None, ps, 16, rep=1.5)
+    assert spec.last_stats["tree_nodes"] == nodes // k * k and spec.last_stats["row_steps"] > 0
+    sampled = run(eng, spec, ps, 16, temp=0.8, seed=4)
+    assert sampled == run(eng, spec, ps, 16, temp=0.8, seed=4) and all(len(r) == 16 for r in sampled)
+
+
+def test_tree_refused_without_a_tree_drafter(eng):
+    with pytest.raises(InvalidSamplingParamsError, match="tree"):
+        SpeculativeDecoder(eng, build("ngram", eng), 4, tree=16)
+    hc = EagleConfig.for_target(CFG)
+    d = EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng)
+    with pytest.raises(InvalidSamplingParamsError, match="tree"):
+        SpeculativeDecoder(eng, d, "auto", tree=16)
+    with pytest.raises(InvalidSamplingParamsError, match="tree"):
+        SpeculativeDecoder(eng, d, 4, tree=2)
+
+
+def test_tree_rejection_sampling_follows_the_target():
+    """Width 3, depth 2, vocabulary 8: the root's children are tokens 1, 2, 5 (token 0 is never drafted), node 1's
+    children 3, 4, 6. First committed token ~ p(root); the second, after token 1 was committed, ~ p(node 1)."""
+    v, width, depth, n = 8, 3, 2, 30000
+    rng = np.random.default_rng(1)
+    p = rng.dirichlet(np.ones(v), size=1 + width * depth).astype(np.float32)
+    tokens = np.array([1, 2, 5, 3, 4, 6], np.int32)
+    parent = np.array([0, 0, 0, 1, 1, 1], np.int32)
+    depths = np.array([1, 1, 1, 2, 2, 2], np.int32)
+    logits = jnp.broadcast_to(jnp.log(jnp.asarray(p)), (n, 1 + width * depth, v))
+    rp = RowParams.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(n)])
+    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (n, a.shape[0]))  # noqa: E731
+    nacc, path, nxt = jax.jit(tree_accept, static_argnames=("width", "depth"))(
+        logits, bc(tokens), bc(parent), bc(depths), rp, rp.keys, jnp.full((n,), 9, jnp.int32), width=width,
+        depth=depth)
+    nacc, path, nxt = np.asarray(nacc), np.asarray(path), np.asarray(nxt)
+    first = np.where(nacc >= 1, tokens[np.maximum(path[:, 0] - 1, 0)], nxt)
+    crit = 24.322  # chi2.ppf(0.999, 7)
+    obs = np.bincount(first, minlength=v)
+    chi2 = float(((obs - p[0] * n) ** 2 / (p[0] * n)).sum())
+    assert chi2 < crit, (chi2, obs, (p[0] * n).round())
+    after1 = nacc >= 1
+    after1 &= path[:, 0] == 1  # token 1 (window node 1) was committed first
+    second = np.where(nacc[after1] >= 2, tokens[np.maximum(path[after1, 1] - 1, 0)], nxt[after1])
+    m = len(second)
+    assert m > 500
+    obs = np.bincount(second, minlength=v)
+    chi2 = float(((obs - p[1] * m) ** 2 / (p[1] * m)).sum())
+    assert chi2 < crit, (chi2, obs, (p[1] * m).round())
