@@ -117,6 +117,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"{kg} groups do not split into {cfg.split_k} splits of steps of {cfg.groups} groups"
     if cfg.tile_t % 16 or cfg.tile_t > 256:
         return f"tile_t {cfg.tile_t} must be a multiple of 16 up to 256"
+    if g < min(cfg.tile_t, 64):  # wgmma steps K by the x^T tile's swizzle width (tile_t bf16, at most 128 bytes)
+        return f"group {g} is narrower than the {min(cfg.tile_t, 64)}-row K step of a {cfg.tile_t}-token tile"
     return None
 
 
@@ -260,7 +262,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 def candidate_configs(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> list[MgpuConfig]:
     """The configurations worth timing for one shape: CTA tiles of 64-256 rows, pipeline steps of 64-256 bytes of
     codes per row, and the K splits that give the grid between one and about eight work items per SM."""
-    tt = 16 if m <= 16 else 32 if m <= 32 else 64
+    tt = min(16 if m <= 16 else 32 if m <= 32 else 64, max(g, 16))
     row_bytes = g * bits // 8
     out = []
     for tile_m in (64, 128):

@@ -1,0 +1,71 @@
+"""The Mosaic-GPU W4A16 / W8A16 kernel (`pallas_kernels/mgpu_qmatmul.py`) on the CPU: its repack and plain-jnp
+twin against the engine's own dequantization, the kernel itself in Mosaic GPU's interpret mode (work-item indexing,
+split-K, group scales and mins; the dequantized tile is staged in shared memory there, since the interpreter's wgmma
+reads only shared memory), and lowering for an abstract H200. The register-operand path and timing need the GPU
+(`benchmarks/bench_mgpu.py`, which checks every timed configuration against the float32 reference)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from lucebox_jax.quant import dequantize, quantize_int4, quantize_int8
+from pallas_kernels import mgpu_qmatmul as mg
+
+from test_pallas_lowering import abstract_h200
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("g,sym,bits", [(32, False, 4), (128, True, 4), (32, True, 8)])
+def test_repack_reference_equals_engine_dequant(g, sym, bits):
+    rng = np.random.default_rng(g + bits)
+    wd = rng.standard_normal((256, 128)).astype(np.float32)
+    w = quantize_int4(wd, group_size=g, symmetric=sym) if bits == 4 else quantize_int8(wd, group_size=g)
+    mw = mg.repack(w)
+    assert mw.shape == (256, 128) and mw.bits == bits
+    np.testing.assert_allclose(np.asarray(mg.dequantize_mgpu(mw)), np.asarray(dequantize(w)), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,cfg", [(3, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2)),
+                                   (20, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, split_k=1))])
+def test_kernel_interpret_matches_reference(m, cfg):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(m)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32, symmetric=False)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    ref = jnp.dot(x.astype(jnp.float32), dequantize(w))
+    y = mg.mgpu_matmul(x, mg.repack(w), cfg, interpret=plgpu.InterpretGPUParams())
+    assert y.shape == (m, 128) and y.dtype == jnp.bfloat16
+    assert _rel(y, ref) < 1e-2
+
+
+def test_bad_config_is_refused():
+    assert mg.check_config(4096, 6144, 32, 4, mg.MgpuConfig(tile_m=96))
+    assert mg.check_config(4096, 100, 32, 4, mg.MgpuConfig())
+    assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(groups=4, split_k=3))
+    assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig()) is None
+
+
+@pytest.mark.parametrize("k,n,g,bits,m", [(4096, 28672, 32, 4, 1), (14336, 4096, 128, 4, 16), (4096, 6144, 32, 4, 64),
+                                          (4096, 128256, 32, 8, 1)])
+def test_candidates_lower_for_h200(k, n, g, bits, m):
+    sds = jax.ShapeDtypeStruct
+    cands = mg.candidate_configs(m, k, n, g, bits)
+    assert cands
+    for cfg in cands[:2]:
+        w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
+                          scales=sds((k // g, n), jnp.float16),
+                          mins=sds((k // g, n), jnp.float16) if g == 32 and bits == 4 else None,
+                          group_size=g, bits=bits)
+        with abstract_h200():
+            txt = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)).trace(
+                sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in txt
