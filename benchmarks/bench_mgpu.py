@@ -7,12 +7,15 @@ layer shapes, swept over its configurations, against the Pallas-Triton kernel an
 Timing and bandwidth accounting are bench_kernels.py's (R input sets over 240 MB so L2 never holds the next one,
 GPU kernel time from the profiler: every kernel the op launches, the x pad/transpose and split-K sum included).
 Every timed configuration is first checked against the float32 reference. Results: $OUT/bench_mgpu.json, and the
-best configuration per (shape, quant, M) in $OUT/mgpu_tuned.json; a table prints last.
+best configuration per (shape, quant, M) in $OUT/mgpu_tuned.json (with --write-tuned also in
+pallas_kernels/mgpu_tuned.json, the engine's table: `"default": true` where it beat Pallas-Triton); a table prints
+last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -26,15 +29,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_kernels as bk  # noqa: E402
+from lucebox_jax import kernels_mgpu as km  # noqa: E402
 from lucebox_jax import kernels_xla  # noqa: E402
 from lucebox_jax.quant import Int8Array, dequantize  # noqa: E402
 from pallas_kernels import mgpu_qmatmul as mg  # noqa: E402
 
 OUT = bk.OUT
 RES: dict = {"copy_GBps": None, "rows": [], "errors": []}
-CASES = [("gate_up", 4096, 28672, 32, 4), ("gate_up", 4096, 28672, 128, 4), ("qkv", 4096, 6144, 32, 4),
-         ("qkv", 4096, 6144, 128, 4), ("o", 4096, 4096, 32, 4), ("o", 4096, 4096, 128, 4),
-         ("down", 14336, 4096, 32, 4), ("down", 14336, 4096, 128, 4), ("head", 4096, 128256, 32, 8)]
+# the g128 shapes first (the 8B decode benchmark's layout), then g32 (Q4_1 / Q4_K imports), the int8 head last
+CASES = [("gate_up", 4096, 28672, 128, 4), ("down", 14336, 4096, 128, 4), ("qkv", 4096, 6144, 128, 4),
+         ("o", 4096, 4096, 128, 4), ("head", 4096, 128256, 32, 8), ("gate_up", 4096, 28672, 32, 4),
+         ("down", 14336, 4096, 32, 4), ("qkv", 4096, 6144, 32, 4), ("o", 4096, 4096, 32, 4)]
 
 
 def make_sets(k, n, g, bits, m):
@@ -64,6 +69,8 @@ def main():
     ap.add_argument("--ms", default="1,16,64")
     ap.add_argument("--cases", default="")
     ap.add_argument("--max-configs", type=int, default=0, help="time an even spread of at most this many")
+    ap.add_argument("--write-tuned", action="store_true",
+                    help="also write the table to pallas_kernels/mgpu_tuned.json (the engine's per-shape choice)")
     args = ap.parse_args()
     t0 = time.time()
     bw = bk.bench_copy()
@@ -93,8 +100,9 @@ def main():
             if args.max_configs and len(cands) > args.max_configs:
                 step = len(cands) / args.max_configs
                 cands = [cands[int(i * step)] for i in range(args.max_configs)]
-            if cands:
-                cands.append(mg.MgpuConfig(**dict(cands[0].__dict__, lhs_smem=True)))
+            first = mg.default_config(m, k, n, g, bits)  # what an untuned engine runs, and its per-group-wait twin
+            if first is not None:
+                cands = [first, dataclasses.replace(first, wait_each_group=True)] + [c for c in cands if c != first]
             for cfg in cands:
                 if time.time() - t0 > args.budget:
                     break
@@ -111,13 +119,17 @@ def main():
             if good:
                 best = min(good, key=lambda c: c["us"])
                 row["best"] = best
-                tuned[f"{k}x{n}:g{g}:b{bits}:m{m}"] = best["cfg"]
+                p_us = row.get("pallas_us")
+                tuned[km.tuned_key(km.m_bucket(m), k, n, g, bits)] = {
+                    "cfg": best["cfg"], "us": round(best["us"], 2), "pallas_us": p_us and round(p_us, 2),
+                    "default": bool(p_us and best["us"] < p_us), "measured": time.strftime("%Y-%m-%d H200")}
             RES["rows"].append(row)
             del sets, msets
             with open(os.path.join(OUT, "bench_mgpu.json"), "w") as f:
                 json.dump(RES, f, indent=1, default=str)
-            with open(os.path.join(OUT, "mgpu_tuned.json"), "w") as f:
-                json.dump(tuned, f, indent=1)
+            for path in [os.path.join(OUT, "mgpu_tuned.json")] + ([km.TUNED] if args.write_tuned else []):
+                with open(path, "w") as f:
+                    json.dump(tuned, f, indent=1)
     print(f"\ncopy bandwidth {bw:.0f} GB/s")
     print("case g bits M | mgpu us GB/s %bw | pallas us | xla us | pallas/mgpu | best config")
     for r in RES["rows"]:

@@ -24,6 +24,7 @@ from flax import struct
 
 from .config import ModelConfig
 from .model import KVCache, Weights, forward, init_cache
+from . import ops
 from .ops import KernelSet
 from .sampling import RowParams, sample, top_logprobs
 
@@ -225,7 +226,7 @@ class Engine:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kernels: KernelSet):
         self.cfg = cfg
-        self.weights = weights
+        self.weights = ops.prepare_weights(weights, kernels)  # kernels that repack weights do it once, here
         self.kernels = kernels
         self.compile_seconds = 0.0
         self.model_name: str | None = None  # set by whoever loaded it (names the model's shipped draft head)

@@ -10,6 +10,12 @@ looked up by name, so research code swaps kernels without touching the model (th
 and then `run.py --kernels qmatmul=my_gemv --kernels-module mypackage.mykernels`, or
 `LLM(kernels="qmatmul=my_gemv")`. Signatures of each op are in `OP_SIGNATURES` below and in
 `pallas_kernels/README.md`.
+
+A matmul kernel may also register `prepare(w) -> w'`, run once per weight when an engine is built
+(`prepare_weights`), to repack weights into a layout of its own (e.g. `mgpu`); a prepared weight names its op
+(`matmul_op`) and kernel (`prepared_by`) so `quant.linear` dispatches it back there. `usable(backend) -> reason or
+None` marks kernels that run only on some hardware: choosing one elsewhere is refused with the list of those that
+can run. Defaults may be refined per GPU generation (`"gpu:sm90"` is consulted before `"gpu"` on Hopper).
 """
 
 from __future__ import annotations
@@ -40,18 +46,26 @@ OP_SIGNATURES = {
 }
 
 _REGISTRY: dict[str, dict[str, Callable]] = {op: {} for op in OPS}
+_PREPARE: dict[tuple[str, str], Callable] = {}
+_USABLE: dict[tuple[str, str], Callable[[], str | None]] = {}
 _DEFAULTS: dict[str, dict[str, str]] = {"cpu": {op: "xla" for op in OPS}, "gpu": {op: "xla" for op in OPS}}
-_BUILTIN_MODULES = ("lucebox_jax.kernels_xla", "lucebox_jax.kernels_pallas")
+_BUILTIN_MODULES = ("lucebox_jax.kernels_xla", "lucebox_jax.kernels_pallas", "lucebox_jax.kernels_mgpu")
 _loaded = False
 
 
-def register(op: str, name: str, *, default_on: tuple[str, ...] = ()):
-    """Decorator: register `fn` as implementation `name` of `op`; `default_on` lists backends where it is default."""
+def register(op: str, name: str, *, default_on: tuple[str, ...] = (), prepare: Callable | None = None,
+             usable: Callable[[], str | None] | None = None):
+    """Decorator: register `fn` as implementation `name` of `op`; `default_on` lists backends where it is default,
+    `prepare` repacks a weight once at engine build, `usable()` says why it cannot run here (None if it can)."""
     if op not in _REGISTRY:
         raise UnknownKernelError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
 
     def deco(fn):
         _REGISTRY[op][name] = fn
+        if prepare is not None:
+            _PREPARE[(op, name)] = prepare
+        if usable is not None:
+            _USABLE[(op, name)] = usable
         for backend in default_on:
             _DEFAULTS.setdefault(backend, {})[op] = name
         return fn
@@ -82,10 +96,55 @@ def available(op: str) -> list[str]:
     return sorted(_REGISTRY[op])
 
 
+def backend_keys(backend: str | None = None) -> list[str]:
+    """The default tables to consult, most specific first: e.g. ["gpu:sm90", "gpu"] on a Hopper GPU."""
+    backend = backend or jax.default_backend()
+    keys = [backend]
+    if backend == jax.default_backend() == "gpu":
+        cc = str(getattr(jax.devices()[0], "compute_capability", "") or "")
+        if cc:
+            keys.insert(0, f"gpu:sm{cc.replace('.', '')}")
+    return keys
+
+
 def default_name(op: str, backend: str | None = None) -> str:
     _load_builtins()
-    backend = backend or jax.default_backend()
-    return _DEFAULTS.get(backend, _DEFAULTS["cpu"]).get(op, "xla")
+    for key in backend_keys(backend):
+        name = _DEFAULTS.get(key, {}).get(op)
+        if name is not None and (backend not in (None, jax.default_backend()) or unusable_reason(op, name) is None):
+            return name
+    return _DEFAULTS["cpu"].get(op, "xla")
+
+
+def unusable_reason(op: str, name: str) -> str | None:
+    """Why kernel `name` of `op` cannot run on this machine, or None."""
+    check = _USABLE.get((op, name))
+    return check() if check is not None else None
+
+
+def usable(op: str) -> list[str]:
+    """The registered implementations of `op` that can run here."""
+    return [n for n in available(op) if unusable_reason(op, n) is None]
+
+
+def prepare_weights(weights, kernels: "KernelSet"):
+    """Repack the linear weights (`weights.layers`, `weights.head`) for kernels that registered `prepare`: once, when
+    an engine is built. Returns `weights` itself when no chosen kernel prepares anything."""
+    from .quant import Int8Array, QuantArray
+
+    _load_builtins()
+    preps = {QuantArray: _PREPARE.get(("qmatmul", kernels.qmatmul)),
+             Int8Array: _PREPARE.get(("qmatmul8", kernels.qmatmul8))}
+    if not any(preps.values()):
+        return weights
+
+    def one(leaf):
+        fn = preps.get(type(leaf))
+        return fn(leaf) if fn is not None else leaf
+
+    is_w = lambda t: isinstance(t, (QuantArray, Int8Array))  # noqa: E731
+    layers = jax.tree_util.tree_map(one, weights.layers, is_leaf=is_w)
+    return weights.replace(layers=layers, head=one(weights.head) if is_w(weights.head) else weights.head)
 
 
 def get(op: str, name: str | None = None) -> Callable:
@@ -121,6 +180,9 @@ class KernelSet:
             chosen.update(parse_spec(spec) if isinstance(spec, (str, type(None))) else dict(spec))
         for op, name in chosen.items():
             get(op, name)  # raises UnknownKernelError listing valid names
+            if (backend is None or backend == jax.default_backend()) and (why := unusable_reason(op, name)):
+                raise UnknownKernelError(f"kernel {name!r} for op {op!r} cannot run here: {why}; "
+                                         f"usable here: {', '.join(usable(op))}")
         return cls(**chosen)
 
     def describe(self) -> str:

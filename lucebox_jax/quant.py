@@ -212,7 +212,7 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     """The one matmul dispatch point: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
 
     int4 weights go through the registered `qmatmul` kernel chosen by `kernels` (a `KernelSet`), int8 weights through
-    `qmatmul8`, dense weights through XLA.
+    `qmatmul8`, weights a kernel repacked for itself back to that kernel, dense weights through XLA.
     """
     from . import ops
 
@@ -223,6 +223,8 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
         y = fn(x2, w)
     elif isinstance(w, Int8Array):
         y = ops.get("qmatmul8", kernels.qmatmul8 if kernels is not None else None)(x2, w)
+    elif hasattr(w, "prepared_by"):  # repacked at engine build for one kernel (ops.prepare_weights): back to it
+        y = ops.get(w.matmul_op, w.prepared_by)(x2, w)
     else:
         y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     y = y.reshape(*lead, y.shape[-1])
@@ -234,8 +236,9 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
 def weight_nbytes(tree) -> int:
     """Bytes of every weight leaf in a pytree (what one decode step must read)."""
     total = 0
-    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=lambda t: isinstance(t, (QuantArray, Int8Array))):
-        if isinstance(leaf, (QuantArray, Int8Array)):
+    is_w = lambda t: isinstance(t, (QuantArray, Int8Array)) or hasattr(t, "prepared_by")  # noqa: E731
+    for leaf in jax.tree_util.tree_leaves(tree, is_leaf=is_w):
+        if is_w(leaf):
             total += leaf.nbytes
         elif hasattr(leaf, "nbytes"):
             total += leaf.nbytes

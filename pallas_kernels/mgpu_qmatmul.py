@@ -1,21 +1,22 @@
 """Hopper W4A16 / W8A16 matmul in Pallas Mosaic GPU: TMA pipeline, warp specialisation, swap-AB wgmma, group
-scales (and mins) applied in registers, split-K.
+scales (and mins) applied in registers, split-K; registered as kernel `mgpu` by `lucebox_jax/kernels_mgpu.py`.
 
 Swap-AB: the weight is the wgmma M side (output features n, `tile_m` rows per compute warpgroup) and the activations
 x^T the N side (`tile_t` tokens, padded to 16 at least), so a decode step with one token still fills the tensor-core
 tile from the weight. The weight is repacked once at load time (`repack`) into a group-major layout whose pipeline
 step is a clean TMA box:
 
-  codes   int4 (or int8) [K // g, N, g]  signed: c = q - 8 for int4 (the engine's `QuantArray` stores q in 0..15)
-  scales  float16        [K // g, N]     unchanged from `QuantArray` / `Int8Array`
-  mins    float16        [K // g, N]     or None (symmetric)
-  value   = scales * c + (mins + 8 * scales)    (int4 asymmetric: the +8 folds back the shift in registers)
-          = scales * c                          (symmetric / int8)
+  codes    int4 (or int8) [K // g, N, g]  signed: c = q - 8 for int4 (the engine's `QuantArray` stores q in 0..15)
+  scales   float16/32     [K // g, N]     unchanged from `QuantArray` / `Int8Array`
+  offsets  like scales    [K // g, N]     or None (symmetric): mins + 8 * scales for int4 (folding back the shift),
+                                          mins for int8
+  value    = scales * c + offsets
 
-Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and mins,
+Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and offsets,
 and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its [tile_m, g] codes into registers,
 converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
-the group's x^T rows. A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32
+the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
+each, which keeps one group's registers live at a time). A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32
 partial sums that one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
 on the engine's `QuantArray`.
 """
@@ -41,6 +42,7 @@ class MgpuConfig:
     split_k: int = 1  # K splits (each a separate work item; float32 partials summed after)
     compute_wgs: int = 2  # compute warpgroups per CTA, each owning tile_m rows
     lhs_smem: bool = False  # stage the dequantized tile in shared memory for wgmma (interpret mode needs this)
+    wait_each_group: bool = False  # wgmma_wait after every group rather than once per pipeline step
 
 
 @jax.tree_util.register_dataclass
@@ -50,9 +52,15 @@ class MgpuWeight:
 
     codes: jax.Array
     scales: jax.Array
-    mins: jax.Array | None
+    offsets: jax.Array | None
     group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
     bits: int = dataclasses.field(metadata=dict(static=True), default=4)
+
+    prepared_by = "mgpu"  # the registered kernel that made it (lucebox_jax.quant.linear dispatches it there)
+
+    @property
+    def matmul_op(self) -> str:
+        return "qmatmul" if self.bits == 4 else "qmatmul8"
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -62,23 +70,29 @@ class MgpuWeight:
     @property
     def nbytes(self) -> int:
         b = self.codes.size * self.bits // 8 + self.scales.size * 2
-        return b + (self.mins.size * 2 if self.mins is not None else 0)
+        sb = self.scales.dtype.itemsize
+        return b + self.scales.size * (sb - 2) + (self.offsets.size * sb if self.offsets is not None else 0)
 
 
 def repack(w) -> MgpuWeight:
     """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g]."""
     g = w.group_size
+    offsets = None
     if isinstance(w, QuantArray):
         q = unpack_int4(w.codes).astype(jnp.int8) - 8  # [K, N] in -8..7
-        bits, mins = 4, w.mins
+        bits = 4
+        if w.mins is not None:
+            offsets = w.mins.astype(jnp.float32) + 8.0 * w.scales.astype(jnp.float32)
     elif isinstance(w, Int8Array):
-        q, bits, mins = w.codes, 8, None
+        q, bits, offsets = w.codes, 8, w.mins
     else:
         raise TypeError(f"mgpu repack takes QuantArray or Int8Array, not {type(w).__name__}")
+    if offsets is not None:
+        offsets = offsets.astype(w.scales.dtype)
     k, n = q.shape
     codes = q.reshape(k // g, g, n).transpose(0, 2, 1)
     codes = codes.astype(jnp.int4) if bits == 4 else codes.astype(jnp.int8)
-    return MgpuWeight(codes=codes, scales=w.scales, mins=mins, group_size=g, bits=bits)
+    return MgpuWeight(codes=codes, scales=w.scales, offsets=offsets, group_size=g, bits=bits)
 
 
 def dequantize_mgpu(w: MgpuWeight, dtype=jnp.float32) -> jax.Array:
@@ -86,8 +100,8 @@ def dequantize_mgpu(w: MgpuWeight, dtype=jnp.float32) -> jax.Array:
     c = w.codes.astype(jnp.float32)  # [K/g, N, g]
     s = w.scales.astype(jnp.float32)[:, :, None]
     v = c * s
-    if w.mins is not None:
-        v = v + w.mins.astype(jnp.float32)[:, :, None] + 8.0 * s
+    if w.offsets is not None:
+        v = v + w.offsets.astype(jnp.float32)[:, :, None]
     kg, n, g = c.shape
     return v.transpose(0, 2, 1).reshape(kg * g, n).astype(dtype)
 
@@ -143,7 +157,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     n_tiles, t_tiles = n // cta_m, mp // tt
     steps_per_split = k // g // gps // splits
     work = n_tiles * t_tiles * splits
-    asym = w.mins is not None
+    asym = w.offsets is not None
     out_dtype = jnp.float32 if splits > 1 else jnp.bfloat16
 
     code_swz = plgpu.find_swizzle(g * bits, "lhs")
@@ -215,20 +229,21 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         x_smem, acc_ref = refs
                     row_layout = plgpu.Layout.WGMMA.reduce(1)
                     for j in range(gps):
-                        wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
+                        # float32 math, one rounding to bf16: the weight XLA's dequantize-then-dot would see
+                        wq = c_smem[j, wrows, :].astype(jnp.float32)
                         sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
+                        wv = wq * sc[:, None]
                         if asym:
-                            mn = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
-                            off = (mn + 8.0 * sc).astype(jnp.bfloat16)
-                            wv = wq * sc.astype(jnp.bfloat16)[:, None] + off[:, None]
-                        else:
-                            wv = wq * sc.astype(jnp.bfloat16)[:, None]
+                            off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
+                            wv = wv + off[:, None]
+                        wv = wv.astype(jnp.bfloat16)
                         if lhs_smem:
                             a_smem[wg] = wv
                             plgpu.commit_smem()
                             wv = a_smem.at[wg]
                         plgpu.wgmma(acc_ref, wv, x_smem.at[pl.ds(j * g, g), :])
-                        plgpu.wgmma_wait(0)
+                        if cfg.wait_each_group or j == gps - 1:
+                            plgpu.wgmma_wait(0)
                     return acc_ref
 
                 args = [c_gmem.at[grp, rows, :], s_gmem.at[grp, rows]]
@@ -252,17 +267,43 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tm, tt), out_dtype, transforms=out_tf),
                            **({"a_smem": plgpu.SMEM((wgs, tm, g), jnp.bfloat16, transforms=a_tf)} if lhs_smem else {})),
     )
-    args = (xt, w.codes, w.scales) + ((w.mins,) if asym else ())
+    args = (xt, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)
     if splits > 1:
         out = out.sum(axis=0)
     return out[:, :m].T.astype(x.dtype)
 
 
+def token_tile(m: int, g: int) -> int:
+    """Tokens per tile for M rows: 16 for decode (the smallest tile that compiles), wider for more rows; at most the
+    group width, which bounds the wgmma K step (`check_config`)."""
+    return min(16 if m <= 16 else 32 if m <= 32 else 64, max(g, 16))
+
+
+def default_config(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> MgpuConfig | None:
+    """A configuration for a shape nobody tuned (None if the kernel cannot tile it): the widest CTA that divides N,
+    pipeline steps of about 64 bytes of codes per row (the best steps of the first H200 sweep), and the fewest K
+    splits that give every SM a work item."""
+    tt, kg, row_bytes = token_tile(m, g), k // g, g * bits // 8
+    if k % g:
+        return None
+    groups = max([d for d in range(1, kg + 1) if kg % d == 0 and d * row_bytes <= 64] or [1])
+    for tile_m, wgs in ((128, 2), (64, 2), (128, 1), (64, 1)):
+        if n % (tile_m * wgs):
+            continue
+        tiles = n // (tile_m * wgs) * -(-max(m, 1) // tt)
+        splits = [s for s in range(1, 17) if (kg // groups) % s == 0]
+        split = next((s for s in splits if tiles * s >= num_sms), splits[-1])
+        cfg = MgpuConfig(tile_m=tile_m, tile_t=tt, groups=groups, steps=4, split_k=split, compute_wgs=wgs)
+        if check_config(k, n, g, bits, cfg) is None:
+            return cfg
+    return None
+
+
 def candidate_configs(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> list[MgpuConfig]:
     """The configurations worth timing for one shape: CTA tiles of 64-256 rows, pipeline steps of 64-256 bytes of
     codes per row, and the K splits that give the grid between one and about eight work items per SM."""
-    tt = min(16 if m <= 16 else 32 if m <= 32 else 64, max(g, 16))
+    tt = token_tile(m, g)
     row_bytes = g * bits // 8
     out = []
     for tile_m in (64, 128):

@@ -1,0 +1,145 @@
+"""Registers the Mosaic-GPU Hopper kernel (`pallas_kernels/mgpu_qmatmul.py`) as `mgpu` for `qmatmul` and `qmatmul8`.
+
+It runs only on an NVIDIA Hopper GPU (sm_90): asking for it elsewhere is refused by the registry with the kernels
+that can run. Its `prepare` repacks each linear weight once, when the engine is built, into the kernel's group-major
+layout (a device-side reshape, milliseconds per weight; the checkpoint keeps the engine's own format, which every
+other kernel reads). Shapes the kernel cannot tile stay in the engine's format and go to the Pallas-Triton kernel;
+rows beyond `MGPU_MAX_M` (prefill) go to XLA's dequantize + dot.
+
+Configurations per shape come from `pallas_kernels/mgpu_tuned.json` (written by `benchmarks/bench_mgpu.py` on an
+H200), else from `mgpu_qmatmul.default_config`. Two names: `mgpu` repacks every shape it tiles; `best` only the
+shapes whose table entry measured faster than Pallas-Triton (`"default": true`), leaving the rest to Pallas-Triton.
+`best` is the Hopper default as soon as the table has such an entry.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+
+import jax
+
+from . import ops
+from .quant import Int8Array, QuantArray
+
+log = logging.getLogger(__name__)
+INTERPRET = False  # tests set plgpu.InterpretGPUParams() to run the kernel in Mosaic GPU's interpreter on the CPU
+MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
+TUNED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels",
+                     "mgpu_tuned.json")
+
+
+def hopper_reason() -> str | None:
+    """None on an NVIDIA Hopper GPU, else why the Mosaic-GPU kernel cannot run."""
+    if jax.default_backend() != "gpu":
+        return f"it needs an NVIDIA Hopper GPU (sm_90); the backend here is {jax.default_backend()!r}"
+    cc = str(getattr(jax.devices()[0], "compute_capability", "") or "")
+    if not cc.startswith("9."):
+        return f"it needs an NVIDIA Hopper GPU (sm_90); this GPU is sm_{cc.replace('.', '') or '?'}"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def tuned_table() -> dict:
+    try:
+        with open(TUNED) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return {}
+
+
+def tuned_key(m_bucket: int, k: int, n: int, g: int, bits: int) -> str:
+    return f"m{m_bucket}_k{k}_n{n}_g{g}_b{bits}"
+
+
+def m_bucket(m: int) -> int:
+    return 16 if m <= 16 else 32 if m <= 32 else 64
+
+
+def config_for(m: int, k: int, n: int, g: int, bits: int):
+    from pallas_kernels import mgpu_qmatmul as mg
+
+    entry = tuned_table().get(tuned_key(m_bucket(m), k, n, g, bits))
+    if entry is not None:
+        cfg = mg.MgpuConfig(**entry["cfg"])
+        if mg.check_config(k, n, g, bits, cfg) is None:
+            return cfg
+    return mg.default_config(m, k, n, g, bits)
+
+
+def _bits(w) -> int:
+    return 4 if isinstance(w, QuantArray) else 8
+
+
+def _tiles(w) -> bool:
+    k, n = w.shape
+    return isinstance(w, (QuantArray, Int8Array)) and config_for(1, k, n, w.group_size, _bits(w)) is not None
+
+
+def measured_faster(w) -> bool:
+    """The H200 benchmark timed mgpu faster than Pallas-Triton on this shape at decode rows (M <= 16)."""
+    k, n = w.shape
+    entry = tuned_table().get(tuned_key(16, k, n, w.group_size, _bits(w)))
+    return bool(entry and entry.get("default"))
+
+
+def _repack(w):
+    from pallas_kernels import mgpu_qmatmul as mg
+
+    return jax.jit(mg.repack)(w)
+
+
+def prepare(w):
+    """`mgpu`: every shape the kernel tiles is repacked."""
+    return _repack(w) if _tiles(w) else w
+
+
+def prepare_best(w):
+    """`best`: only the shapes where the benchmark measured mgpu faster; the rest stay for Pallas-Triton."""
+    return _repack(w) if _tiles(w) and measured_faster(w) else w
+
+
+def _run(x, w, fallback):
+    from pallas_kernels import mgpu_qmatmul as mg
+
+    if not isinstance(w, mg.MgpuWeight):  # a shape prepare left in the engine's format
+        return fallback(x, w)
+    m = x.shape[0]
+    k, n = w.shape
+    cfg = config_for(m, k, n, w.group_size, w.bits) if m <= MGPU_MAX_M else None
+    if cfg is None:
+        return mg.reference(x, w)
+    num_sms = getattr(jax.devices()[0], "core_count", 132)
+    return mg.mgpu_matmul(x, w, cfg, num_sms=num_sms, interpret=INTERPRET)
+
+
+def _pallas_or_xla(op: str):
+    names = ops.available(op)
+    return ops.get(op, "pallas" if "pallas" in names else "xla")
+
+
+def _any_measured_faster() -> tuple[str, ...]:
+    return ("gpu:sm90",) if any(e.get("default") for e in tuned_table().values()) else ()
+
+
+@ops.register("qmatmul", "mgpu", prepare=prepare, usable=hopper_reason)
+def qmatmul_mgpu_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul"))
+
+
+@ops.register("qmatmul8", "mgpu", prepare=prepare, usable=hopper_reason)
+def qmatmul8_mgpu_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul8"))
+
+
+# `best`: mgpu per shape where measured faster, Pallas-Triton elsewhere; the Hopper default once the table has any
+@ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster())
+def qmatmul_best_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul"))
+
+
+@ops.register("qmatmul8", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster())
+def qmatmul8_best_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul8"))

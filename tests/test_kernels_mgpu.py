@@ -1,0 +1,112 @@
+"""The `mgpu` kernel in the registry, on the CPU: it is refused here with the kernels that can run, and (with the
+hardware check bypassed and the kernel in Mosaic GPU's interpreter) the engine repacks its weights once at build and
+decodes through it the same tokens as the XLA kernels. Speed and the compiled register path need an H200
+(`benchmarks/bench_mgpu.py`, `benchmarks/bench_decode.py --kernel-sets 'qmatmul=mgpu,qmatmul8=mgpu'`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lucebox_jax import kernels_mgpu, ops
+from lucebox_jax.engine import Engine
+from lucebox_jax.errors import UnknownKernelError
+from lucebox_jax.ops import KernelSet
+from lucebox_jax.quant import Int8Array, QuantArray, dequantize, linear, quantize_int4
+from lucebox_jax.synthetic import PRESETS, random_weights
+from pallas_kernels import mgpu_qmatmul as mg
+
+CFG = PRESETS["tiny"]
+MGPU = KernelSet(qmatmul="mgpu", qmatmul8="mgpu")
+
+
+def test_refused_on_cpu_with_the_usable_kernels():
+    for name in ("mgpu", "best"):
+        assert name in ops.available("qmatmul") and name in ops.available("qmatmul8")
+        with pytest.raises(UnknownKernelError) as e:
+            KernelSet.resolve(f"qmatmul8={name}")
+        msg = str(e.value)
+        assert "Hopper" in msg and "xla" in msg and name not in msg.split("usable here:")[1]
+    assert ops.default_name("qmatmul") not in ("mgpu", "best")
+
+
+def test_best_repacks_only_shapes_measured_faster(monkeypatch):
+    rng = np.random.default_rng(1)
+    fast = quantize_int4(rng.standard_normal((128, 256)).astype(np.float32), group_size=32)
+    slow = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32)
+    table = {kernels_mgpu.tuned_key(16, 128, 256, 32, 4): {"cfg": {}, "default": True},
+             kernels_mgpu.tuned_key(16, 256, 128, 32, 4): {"cfg": {}, "default": False}}
+    monkeypatch.setattr(kernels_mgpu, "tuned_table", lambda: table)
+    assert isinstance(kernels_mgpu.prepare_best(fast), mg.MgpuWeight)
+    assert kernels_mgpu.prepare_best(slow) is slow
+    assert isinstance(kernels_mgpu.prepare(slow), mg.MgpuWeight)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    for op in ("qmatmul", "qmatmul8"):
+        monkeypatch.setitem(ops._USABLE, (op, "mgpu"), lambda: None)
+    monkeypatch.setattr(kernels_mgpu, "INTERPRET", plgpu.InterpretGPUParams())
+
+
+def test_prepare_repacks_what_tiles_and_linear_dispatches_it(interpreted):
+    rng = np.random.default_rng(0)
+    w = quantize_int4(rng.standard_normal((128, 256)).astype(np.float32), group_size=32)
+    odd = quantize_int4(rng.standard_normal((128, 96)).astype(np.float32), group_size=32)  # N = 96: no CTA tile
+    pw = kernels_mgpu.prepare(w)
+    assert isinstance(pw, mg.MgpuWeight) and kernels_mgpu.prepare(odd) is odd
+    x = jnp.asarray(rng.standard_normal((3, 128)), jnp.bfloat16)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+    y = np.asarray(linear(x, pw, kernels=MGPU), np.float32)
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+    y_odd = np.asarray(linear(x, odd, kernels=MGPU), np.float32)  # left in the engine format: the fallback kernel
+    ref_odd = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(odd)))
+    assert np.linalg.norm(y_odd - ref_odd) / np.linalg.norm(ref_odd) < 1e-2
+
+
+def test_engine_decodes_through_mgpu_like_xla(interpreted):
+    w = random_weights(CFG, jax.random.key(3), group_size=32, asymmetric=True)
+    eng = Engine(CFG, w, MGPU)
+    leaves = jax.tree_util.tree_leaves(eng.weights.layers, is_leaf=lambda t: isinstance(t, mg.MgpuWeight))
+    assert any(isinstance(t, mg.MgpuWeight) for t in leaves)
+    assert not any(isinstance(t, (QuantArray, Int8Array)) for t in leaves)
+    assert isinstance(eng.weights.head, mg.MgpuWeight)
+    ref = Engine(CFG, w, KernelSet())
+    prompt = [[5, 17, 99, 3, 42, 7]]
+    outs = []
+    for e in (eng, ref):
+        cache = e.new_cache(1, 64)
+        last, _, cache = e.prefill(cache, prompt)
+        outs.append(np.asarray(last))
+    rel = np.linalg.norm(outs[0] - outs[1]) / np.linalg.norm(outs[1])
+    assert rel < 2e-2, rel  # bf16 activations in the kernel against float32 XLA
+    assert outs[0].argmax() == outs[1].argmax()
+
+
+GPU_CASES = [(1, 4096, 28672, 128, 4, True), (1, 4096, 6144, 32, 4, False), (16, 14336, 4096, 128, 4, True),
+             (64, 4096, 4096, 32, 4, False), (9, 4096, 6144, 128, 4, True), (1, 4096, 128256, 32, 8, True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,g,bits,sym", GPU_CASES)
+def test_compiled_mgpu_matches_reference_on_hopper(m, k, n, g, bits, sym):
+    """The registered op, compiled, on Llama-3-8B shapes (the layer shapes, the int8 head) and decode / verify /
+    small-batch row counts, against the float32 product of the engine's own dequantization."""
+    if kernels_mgpu.hopper_reason():
+        pytest.skip(kernels_mgpu.hopper_reason())
+    from lucebox_jax.quant import quantize_int8
+
+    rng = np.random.default_rng(m + n)
+    wd = (rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32)
+    w = quantize_int4(wd, group_size=g, symmetric=sym) if bits == 4 else quantize_int8(wd, group_size=g)
+    pw = kernels_mgpu.prepare(w)
+    assert isinstance(pw, mg.MgpuWeight)  # `mgpu` repacks every shape it tiles
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    op = ops.get("qmatmul" if bits == 4 else "qmatmul8", "mgpu")
+    y = np.asarray(jax.jit(op)(x, pw), np.float32)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
