@@ -3,7 +3,8 @@
 # speculation (chain, tree, ngram; plain decoding in the same call), benchmark the HTTP server against the offline
 # job, and check that greedy tokens with the `mgpu` kernels equal those with `xla` (issue 11).
 # The GGUF (98 MB) travels in two halves (.gl/smol.part00 in the call before, copied to /tmp; .gl/smol.part01 now).
-# Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT)
+# Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT, logs.tgz)
+# TRAIN/SPEC/SERVE/MGPU_EQ=0 skip a part; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, CLIENTS adjust.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -13,12 +14,12 @@ HEAD="$OUT/SmolLM2-135M-Instruct.Q4_1-eagle"
 sha256sum "$M" | cut -c1-16 | tee "$OUT/gguf_sha.txt"
 if [ "${TRAIN:-1}" = 1 ]; then
   timeout "${TRAIN_TIMEOUT:-210}" python3 -m lucebox_jax.train_draft --model "$M" --out "$HEAD" --state-dir /tmp/eagle_state \
-    --time-budget "${TRAIN_SECONDS:-140}" > "$OUT/train.log" 2>&1; tail -5 "$OUT/train.log"
+    --time-budget "${TRAIN_SECONDS:-140}" ${TRAIN_ARGS:-} > "$OUT/train.log" 2>&1; grep -v "it/s\]" "$OUT/train.log" | tail -8
 fi
 if [ "${SPEC:-1}" = 1 ]; then
   timeout "$(( ${SPEC_SECONDS:-200} + 30 ))" python3 benchmarks/bench_spec.py --model "$M" \
-    --drafters "eagle:$HEAD,ngram" --ks 4 --tree 32 --syn-ks 4,8 --syn-trees 32 --budget "${SPEC_SECONDS:-200}" \
-    --reserve 70 > "$OUT/spec.log" 2>&1; tail -30 "$OUT/spec.log"
+    --drafters "${DRAFTERS:-eagle:$HEAD,ngram}" --ks 4 --tree 32 --syn-ks 4,8 --syn-trees 32 --budget "${SPEC_SECONDS:-200}" \
+    --reserve 70 ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1; tail -30 "$OUT/spec.log"
 fi
 if [ "${SERVE:-1}" = 1 ]; then
   timeout "$(( ${SERVE_SECONDS:-100} + 30 ))" python3 benchmarks/bench_serve.py --model "$M" --clients "${CLIENTS:-1,8,32}" \
@@ -26,14 +27,17 @@ if [ "${SERVE:-1}" = 1 ]; then
 fi
 if [ "${MGPU_EQ:-1}" = 1 ]; then
   P="Explain in three sentences why the sky is blue."
-  for ks in qmatmul=xla,qmatmul8=xla qmatmul=mgpu,qmatmul8=mgpu; do
+  for k in xla mgpu; do  # (file names without '=' or ',': the device returns only plain names)
     timeout 60 python3 run.py --model "$M" --prompt "$P" --max-tokens 96 --temperature 0 --token-ids \
-      --output-format json --kernels "$ks" > "$OUT/greedy_$ks.json" 2> "$OUT/greedy_$ks.err"
+      --output-format json --kernels "qmatmul=$k,qmatmul8=$k" > "$OUT/greedy_$k.json" 2> "$OUT/greedy_$k.err"
+    tail -2 "$OUT/greedy_$k.err"
   done
   python3 - "$OUT" <<'PY'
 import json, sys
-a, b = (json.load(open(f"{sys.argv[1]}/greedy_qmatmul={k},qmatmul8={k}.json"))["token_ids"] for k in ("xla", "mgpu"))
+a, b = (json.load(open(f"{sys.argv[1]}/greedy_{k}.json"))["token_ids"] for k in ("xla", "mgpu"))
 same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 print("greedy mgpu == xla" if a == b else f"greedy mgpu != xla: first difference at token {same}", len(a), len(b))
 PY
 fi
+# the device returns at most a few files: logs and the head go back in one archive
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.err *.json "$(basename "$HEAD")" 2>/dev/null; ls)

@@ -347,12 +347,14 @@ def main(argv=None) -> int:
                           save_every=args.save_every,
                           time_budget=args.time_budget, log=log)
     del feats
+    info = {"target": model_name(args.model), "target_source": source, "data_sequences": len(toks),
+            "data_tokens": int(mask.sum()), "data_seconds": round(gen_s, 1), "unroll": args.unroll,
+            "training": summary}
+    save_head(args.out, hc, head, info)  # first without the held-out figures: a cut evaluation loses no head
     acc = heldout_acceptance(engine, hc, head, held, args.holdout_tokens) if held else {}
     acc_tree = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, tree=args.tree) if (
         held and args.tree) else {}
-    info = {"target": model_name(args.model), "target_source": source, "data_sequences": len(toks),
-            "data_tokens": int(mask.sum()), "data_seconds": round(gen_s, 1), "unroll": args.unroll,
-            "training": summary, "heldout": acc, "heldout_tree": acc_tree}
+    info.update(heldout=acc, heldout_tree=acc_tree)
     save_head(args.out, hc, head, info)
     log(f"head saved to {args.out} ({sum(int(np.prod(x.shape)) for x in jax.tree.leaves(head)) / 1e6:.2f} M "
         f"parameters); training {summary}")
