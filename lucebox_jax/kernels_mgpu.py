@@ -9,7 +9,7 @@ rows beyond `MGPU_MAX_M` (prefill) go to XLA's dequantize + dot.
 Configurations per shape come from `pallas_kernels/mgpu_tuned.json` (written by `benchmarks/bench_mgpu.py` on an
 H200), else from `mgpu_qmatmul.default_config`. Two names: `mgpu` repacks every shape it tiles; `best` only the
 shapes whose table entry measured faster than Pallas-Triton (`"default": true`), leaving the rest to Pallas-Triton.
-`best` is the Hopper default as soon as the table has such an entry.
+`best` becomes the Hopper default (`HOPPER_DEFAULT`) once a whole decode step confirms it on the GPU.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def hopper_reason() -> str | None:
 def tuned_table() -> dict:
     try:
         with open(TUNED) as f:
-            return json.load(f)
+            return {k: v for k, v in json.load(f).items() if not k.startswith("_")}  # "_about": provenance
     except FileNotFoundError:
         return {}
 
@@ -120,8 +120,13 @@ def _pallas_or_xla(op: str):
     return ops.get(op, "pallas" if "pallas" in names else "xla")
 
 
+# `best` becomes the Hopper default only once a whole decode step with it has been measured faster and its greedy
+# tokens equal on the GPU (benchmarks/RESULTS.md, issue 11); until then it is chosen with --kernels qmatmul=best.
+HOPPER_DEFAULT = False
+
+
 def _any_measured_faster() -> tuple[str, ...]:
-    return ("gpu:sm90",) if any(e.get("default") for e in tuned_table().values()) else ()
+    return ("gpu:sm90",) if HOPPER_DEFAULT and any(e.get("default") for e in tuned_table().values()) else ()
 
 
 @ops.register("qmatmul", "mgpu", prepare=prepare, usable=hopper_reason)
@@ -134,7 +139,7 @@ def qmatmul8_mgpu_op(x, w):
     return _run(x, w, _pallas_or_xla("qmatmul8"))
 
 
-# `best`: mgpu per shape where measured faster, Pallas-Triton elsewhere; the Hopper default once the table has any
+# `best`: mgpu per shape where measured faster, Pallas-Triton elsewhere
 @ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster())
 def qmatmul_best_op(x, w):
     return _run(x, w, _pallas_or_xla("qmatmul"))
