@@ -59,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--steps-per-call", type=int, default=None, help="default 16 (--small: 8)")
     p.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run; levels left out after")
     p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    p.add_argument("--warmup", choices=("full", "basic"), default="full", help="the server's --warmup")
     p.add_argument("--small", action="store_true", help="tiny sizes for a CPU smoke run")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
@@ -96,7 +97,7 @@ def start_server(a, slots: int, out_dir: str, deadline: float):
     port = free_port()
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--batch-size", str(slots),
            "--max-context", str(a.max_context), "--steps-per-call", str(a.steps_per_call), "--served-model-name",
-           "bench", "--max-queue", "4096"] + (["--model", a.model] if a.model else [])
+           "bench", "--max-queue", "4096", "--warmup", a.warmup] + (["--model", a.model] if a.model else [])
     logf = open(os.path.join(out_dir, f"server_{slots}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     t0 = time.perf_counter()
@@ -172,8 +173,13 @@ def bench_server_level(a, n, out_dir, deadline):
                 asyncio.run(run_clients(port, [[longest[:length]] for _ in range(size)], 2))
         asyncio.run(run_clients(port, prompts, 2))
         t_warm = time.perf_counter() - t0
+        before = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
         reqs, wall = asyncio.run(run_clients(port, prompts, a.new_tokens))
+        after = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
         row = summarize(reqs, wall)
+        # a compile inside the measured run is a multi-second stall for every stream: count them
+        row["compiles_during_run"] = after.get("compiled_shapes", 0) - before.get("compiled_shapes", 0)
+        row["compile_s_during_run"] = round(after.get("compile_seconds", 0) - before.get("compile_seconds", 0), 2)
         row["server_startup_s"] = round(startup, 1)
         row["warmup_s"] = round(t_warm, 1)
         return row, prompts

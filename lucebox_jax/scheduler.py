@@ -229,10 +229,8 @@ class Scheduler:
         eng = self.engine
         b = len(prompts)
         lens = np.array([len(p) for p in prompts], np.int32)
-        total = max(int(lens.max()), self.min_prefill_len)
         last, off = None, 0
-        while off < total:
-            t = bucket(max(min(self.min_prefill_len, PREFILL_CHUNK), min(PREFILL_CHUNK, total - off)))
+        for t in self._chunk_lens(int(lens.max())):
             toks = np.zeros((b, t), np.int32)
             for r, p in enumerate(prompts):
                 seg = p[off: off + t]
@@ -353,6 +351,43 @@ class Scheduler:
                 self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
                 self.stats["requests"] += len(done_now)
                 yield done_now
+
+
+    # ------------------------------------------------------------------ compiling ahead of traffic
+    def _chunk_lens(self, longest: int) -> tuple[int, ...]:
+        """The prefill chunk lengths `_prefill` runs for a group whose longest prompt has `longest` tokens."""
+        total, out = max(longest, self.min_prefill_len), []
+        while sum(out) < total:
+            out.append(bucket(max(min(self.min_prefill_len, PREFILL_CHUNK), min(PREFILL_CHUNK, total - sum(out)))))
+        return tuple(out)
+
+    def prompt_length_classes(self, max_prompt: int) -> list[int]:
+        """Prompt lengths up to `max_prompt` that together meet every (chunk length, prefill cache length) pair a
+        prompt of that size can compile: running each once compiles every prefill and insert shape."""
+        met, out = set(), []
+        for n in range(1, max_prompt + 1):
+            pairs = {(t, _prefill_len(max(self.min_prefill_len, n))) for t in self._chunk_lens(n)}
+            if not pairs <= met:
+                met |= pairs
+                out.append(n)
+        return out
+
+    def warmup(self, max_prompt: int | None = None, on_run: Callable[[], None] | None = None) -> int:
+        """Compile every shape a workload of prompts up to `max_prompt` tokens needs (each prefill group size with
+        each prompt length class, then decode chunks), so live traffic never waits for a compile (a server's
+        latency would otherwise carry multi-second stalls). Returns how many warm-up batches ran."""
+        hi = max(1, min(max_prompt or self.max_len - 2, self.max_len - 2))
+        params = SamplingParams(temperature=0.0, seed=0, max_tokens=2, ignore_eos=True)
+        runs = 0
+        for p in [x for x in self.prefill_sizes if x <= self.slots]:
+            for n in self.prompt_length_classes(hi):
+                reqs = [SlotRequest(("warmup", p, n, i), [0] * n, params, frozenset(), 2) for i in range(p)]
+                for _ in self.run(reqs):
+                    pass
+                runs += 1
+                if on_run is not None:
+                    on_run()
+        return runs
 
 
 def _prefill_len(n: int) -> int:

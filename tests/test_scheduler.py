@@ -137,3 +137,22 @@ def test_live_feed_with_gaps_joins_the_running_batch(tiny_llm, greedy_case):
     got = {f.request.key: f for batch in sched.run(feed()) for f in batch}
     assert progress == [0, 1]  # the scheduler decoded between the feed's empty answers
     assert {k: f.token_ids for k, f in got.items()} == {i: ref[i] for i in (2, 1, 5)}
+
+
+def test_warmup_compiles_every_shape_live_traffic_needs(tiny_llm):
+    """After `warmup`, a workload of mixed prompt lengths and group sizes compiles nothing more (a server's
+    requests never wait on a compile)."""
+    eng = tiny_llm.engine
+    sched = Scheduler(eng, slots=4, max_len=128, steps_per_call=STEPS, max_prefill_batch=4)
+    assert sched.prompt_length_classes(100) == [1, 17, 33, 65]
+    runs = sched.warmup(100)
+    assert runs == len(sched.prompt_length_classes(100)) * 3  # group sizes 1, 2, 4
+    before = set(eng._seen_shapes)
+    rng = np.random.default_rng(5)
+    lens = [1, 90, 17, 40, 5, 64, 33, 100, 2]
+    reqs = [SlotRequest(i, [int(x) for x in rng.integers(0, 256, size=n)],
+                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, seed=0), frozenset(), 6)
+            for i, n in enumerate(lens)]
+    done = [f for batch in sched.run(reqs) for f in batch]
+    assert sorted(f.request.key for f in done) == list(range(len(lens)))
+    assert set(eng._seen_shapes) == before, set(eng._seen_shapes) - before

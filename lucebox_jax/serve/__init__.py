@@ -24,6 +24,10 @@ def add_serve_arguments(p):
                                                             "file's name without .gguf)")
     g.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond the running batch before "
                                                              "new ones get 429 (default 256)")
+    g.add_argument("--warmup", choices=("full", "basic"), default=None,
+                   help="full: compile every prefill shape up to the context before serving, so no request waits on "
+                        "a compile (default on a GPU; later starts reuse jax's compilation cache); basic: one tiny "
+                        "request (default on the CPU, where compiles are slow)")
     g.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (default 1024 KiB)")
 
 
@@ -77,6 +81,10 @@ def run_serve_from_args(args) -> int:
     # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
     sys.setswitchinterval(5e-4)
     engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue)
+    if (args.warmup or ("full" if gpu else "basic")) == "full":
+        print(f"compiling the serving shapes (prompts up to {ctx - 1} tokens; --warmup basic skips this) ...",
+              file=sys.stderr, flush=True)
+        engine.precompile()
     engine.start()
     engine.warmup()
     app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))

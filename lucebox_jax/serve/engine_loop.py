@@ -130,8 +130,10 @@ class EngineLoop:
 
     def load(self) -> dict:
         """Requests running (in the batch or its prefill queue), waiting in the inbox, and counters."""
+        eng = self.llm.engine
         return {"running": len(self._live), "waiting": self.inbox.qsize() + len(self._held), "slots": self.slots,
-                "started": self.stats["requests"], "cancelled": self.stats["cancelled"]}
+                "started": self.stats["requests"], "cancelled": self.stats["cancelled"],
+                "compiled_shapes": len(eng._seen_shapes), "compile_seconds": round(eng.compile_seconds, 2)}
 
     @property
     def alive(self) -> bool:
@@ -218,6 +220,24 @@ class EngineLoop:
             self.stats["requests"] += 1
             self.stats["completion_tokens"] += len(comp.token_ids)
             job.finish(("done", comp.text, comp.finish_reason, len(comp.token_ids), entries))
+
+    def precompile(self, max_prompt: int | None = None) -> int:
+        """Before `start()`: compile every prefill/insert/decode shape the loop's scheduler can meet (one throwaway
+        scheduler of the same shape; jax's compile cache is shared), so no client waits on a compile. Progress on
+        stderr. Returns the number of warm-up batches."""
+        import sys
+
+        from tqdm import tqdm
+
+        if self.thread.is_alive():
+            raise RuntimeError("precompile() must run before start()")
+        sched = Scheduler(self.llm.engine, **self._sched_kw)
+        hi = min(max_prompt or self.max_len - 1, sched.max_len - 2)
+        total = len(sched.prompt_length_classes(hi)) * len([p for p in sched.prefill_sizes if p <= sched.slots])
+        with tqdm(total=total, desc="compiling serving shapes", file=sys.stderr, leave=False) as bar:
+            runs = sched.warmup(hi, on_run=bar.update)
+        self.stats["precompile_runs"] = runs
+        return runs
 
     def warmup(self, timeout: float = 600.0):
         """One tiny request through the running loop, so the first client does not pay the first compiles."""
