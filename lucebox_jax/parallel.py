@@ -45,7 +45,7 @@ from .config import ModelConfig
 from .errors import ParallelismError
 from .model import KVCache, Weights, init_cache
 from .ops import KernelSet
-from .quant import Int8Array, QuantArray, pack_int4, unpack_int4
+from .quant import Int8Array, QuantArray, unpack_int4
 
 AXIS = "tp"
 _SPECS = {"columns": P(None, AXIS), "rows": P(AXIS, None), "replicated": P()}
@@ -91,14 +91,13 @@ def _take_columns(w, idx):
 
 
 def _repack_rows(w, n: int):
-    """int4 codes re-packed half-split within each of n row blocks (other formats: unchanged)."""
+    """int4 codes re-packed half-split within each of n row blocks, on the device (other formats: unchanged)."""
     if not isinstance(w, QuantArray):
         return w
-    q = np.asarray(unpack_int4(np.asarray(w.codes)))
-    k = q.shape[0]
-    blocks = [pack_int4(b) for b in np.split(q, n, axis=0)]
-    assert sum(b.shape[0] for b in blocks) * 2 == k
-    return w.replace(codes=jnp.asarray(np.concatenate(blocks, axis=0)))
+    q = unpack_int4(jnp.asarray(w.codes))  # [K, N] codes
+    k, cols = q.shape
+    blocks = q.reshape(n, 2, k // (2 * n), cols)  # block j's first and second half
+    return w.replace(codes=(blocks[:, 0] | (blocks[:, 1] << 4)).reshape(k // 2, cols))
 
 
 def _block_order(sizes: tuple[int, ...], n: int) -> np.ndarray:

@@ -172,7 +172,7 @@ def test_bench_tp_runs_on_simulated_devices(tmp_path):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import bench_tp
 
-    rows = bench_tp.main(["--tiny", "--out", str(tmp_path), "--gpus", "1,2"])
+    rows = bench_tp.main(["--tiny", "--cases", "70b,job", "--out", str(tmp_path), "--gpus", "1,2"])
     assert (tmp_path / "bench_tp.json").exists() and (tmp_path / "bench_tp.md").exists()
     kinds = {(r["case"], r["gpus"]) for r in rows}
     assert {("decode", 1), ("decode", 2), ("batch_job", 2)} <= kinds
