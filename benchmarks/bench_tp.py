@@ -37,22 +37,11 @@ from lucebox_jax.sampling import RowParams, SamplingParams  # noqa: E402
 from lucebox_jax.scheduler import SlotRequest, generate_ids  # noqa: E402
 from lucebox_jax.synthetic import PRESETS, random_weights  # noqa: E402
 
+from bench_decode import copy_bandwidth  # noqa: E402  (one GPU's copy bandwidth, as bench_decode measures it)
+
 LLAMA3_70B = ModelConfig(arch="llama", vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                          head_dim=128, ffn_dim=28672, rope_theta=500000.0, max_context=8192, tied_embeddings=False)
 TINY = PRESETS["tiny"]
-
-
-def copy_bandwidth(nbytes: int) -> float:
-    """One device's bytes read + written per second by an elementwise pass (wall clock, median of 10)."""
-    x = jnp.ones((nbytes // 4,), jnp.float32)
-    f = jax.jit(lambda a: a * 1.0000001)
-    f(x).block_until_ready()
-    ts = []
-    for _ in range(10):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        ts.append(time.perf_counter() - t)
-    return 2 * x.nbytes / float(np.median(ts))
 
 
 def step_bytes(eng: Engine, cache) -> tuple[int, int]:
