@@ -130,7 +130,7 @@ class TensorParallel:
         return self.mesh.size
 
     @classmethod
-    def create(cls, cfg: ModelConfig, n: int, group_size: int | None = None) -> "TensorParallel":
+    def create(cls, cfg: ModelConfig, n: int) -> "TensorParallel":
         """Check that `n` devices exist and divide what must be divided; ParallelismError names what does not."""
         devices = check_devices(n)
         bad = [f"{name} ({v})" for name, v in (("vocabulary size", cfg.vocab_size), ("FFN size", cfg.ffn_dim))
@@ -221,6 +221,8 @@ def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):
     def run(q, k, v, pos, *, scale, window=None):
         extra = {} if window is None else {"window": window}
         body = functools.partial(fn, scale=scale, **extra)
+        if heads_split and k.shape[1] % mesh.size:  # another model's cache (a draft model's): not split by heads
+            return body(q, k, v, pos)
         return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, P()), out_specs=q_spec,
                              check_vma=False)(q, k, v, pos)
 
