@@ -55,9 +55,10 @@ def step_bytes(eng: Engine, cache) -> tuple[int, int]:
     return sum(per_dev.values()), max(per_dev.values())
 
 
-def decode_row(name, cfg, weights, n: int, batch: int, ctx: int, n_tokens: int, reps: int, bw: float) -> dict:
+def decode_row(name, cfg, weights, kernels, n: int, batch: int, ctx: int, n_tokens: int, reps: int,
+               bw: float) -> dict:
     """tok/s of the on-device decode loop at context `ctx` on n devices, and its share of the bandwidth bound."""
-    eng = Engine(cfg, weights, KernelSet.resolve(), tensor_parallel=n)
+    eng = Engine(cfg, weights, kernels, tensor_parallel=n)
     s = ((ctx + n_tokens + 16 + 255) // 256) * 256
     rp = RowParams.from_params([SamplingParams(temperature=0)] * batch)
     first, _ = sample_first(jnp.zeros((batch, cfg.vocab_size), jnp.float32), rp, jnp.full((batch,), ctx),
@@ -87,9 +88,10 @@ def decode_row(name, cfg, weights, n: int, batch: int, ctx: int, n_tokens: int, 
                 share_of_bound=bound / dt, kernels=eng.kernels.describe(), compile_s=compile_s)
 
 
-def job_row(cfg, weights, n: int, slots: int, n_req: int, new_tokens: int, prompt_len: tuple[int, int]) -> dict:
+def job_row(cfg, weights, kernels, n: int, slots: int, n_req: int, new_tokens: int,
+            prompt_len: tuple[int, int]) -> dict:
     """Throughput of a batch job through the scheduler: generated tokens per second of wall time (warm)."""
-    eng = Engine(cfg, weights, KernelSet.resolve(), tensor_parallel=n)
+    eng = Engine(cfg, weights, kernels, tensor_parallel=n)
     rng = np.random.default_rng(0)
 
     def reqs(k):
@@ -137,9 +139,13 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--job-slots", type=int, default=128)
     ap.add_argument("--job-requests", type=int, default=384)
     ap.add_argument("--job-tokens", type=int, default=128)
+    ap.add_argument("--kernels", default=None, help="op=name,... for every row (default: the backend's defaults; a "
+                    "kernel that repacks weights at load, mgpu/best, takes its fallback when split, so compare with "
+                    "qmatmul=pallas,qmatmul8=pallas)")
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: tiny shapes for every case")
     ap.add_argument("--out", default=None, help="results folder (default $OUT, else a new temporary folder)")
     a = ap.parse_args(argv)
+    kernels = KernelSet.resolve(a.kernels)
     gpu = jax.default_backend() == "gpu"
     dtype = "bfloat16" if gpu else "float32"
     n_dev = jax.device_count()
@@ -169,16 +175,19 @@ def main(argv=None) -> list[dict]:
         cfg = (TINY if a.tiny else LLAMA3_70B).replace(dtype=dtype)
         w = random_weights(cfg, jax.random.key(0), group_size=32 if a.tiny else 128)
         for n in [g for g in gpus if g >= 2 or a.tiny]:
-            record(n, decode_row, "tiny-as-70b" if a.tiny else "llama3-70b", cfg, w, n, 1, a.ctx, a.tokens, a.reps, bw)
+            record(n, decode_row, "tiny-as-70b" if a.tiny else "llama3-70b", cfg, w, kernels, n, 1, a.ctx,
+                   a.tokens, a.reps, bw)
         del w
     if "8b" in cases or "job" in cases:
         cfg = (TINY if a.tiny else PRESETS["llama3-8b"]).replace(dtype=dtype)
         w = random_weights(cfg, jax.random.key(0), group_size=32 if a.tiny else 128)
         for n in gpus if "8b" in cases else ():
             for b in (1, 32):
-                record(n, decode_row, "tiny-as-8b" if a.tiny else "llama3-8b", cfg, w, n, b, a.ctx, a.tokens, a.reps, bw)
+                record(n, decode_row, "tiny-as-8b" if a.tiny else "llama3-8b", cfg, w, kernels, n, b, a.ctx,
+                       a.tokens, a.reps, bw)
         for n in [g for g in gpus if g <= 4] if "job" in cases else ():
-            record(n, job_row, cfg, w, n, a.job_slots, a.job_requests, a.job_tokens, (8, 24) if a.tiny else (64, 192))
+            record(n, job_row, cfg, w, kernels, n, a.job_slots, a.job_requests, a.job_tokens,
+                   (8, 24) if a.tiny else (64, 192))
     md = table(rows)
     with open(os.path.join(out_dir, "bench_tp.md"), "w") as f:
         f.write(f"{n_dev} x {meta['device']}, jax {jax.__version__}, copy bandwidth {bw / 1e9:.0f} GB/s per device\n\n"

@@ -49,7 +49,8 @@ def test_int4_row_shards_are_self_contained():
     full, r, n = dequantize_np(w), _repack_rows(w, 4), 4
     rows, groups = 512 // n, 512 // n // 32
     for j in range(n):
-        shard = QuantArray(codes=r.codes[j * rows // 2:(j + 1) * rows // 2], scales=r.scales[j * groups:(j + 1) * groups],
-                           mins=r.mins[j * groups:(j + 1) * groups], group_size=32)
+        g = slice(j * groups, (j + 1) * groups)
+        shard = QuantArray(codes=r.codes[j * rows // 2:(j + 1) * rows // 2], scales=r.scales[g], mins=r.mins[g],
+                           group_size=32)
         np.testing.assert_array_equal(dequantize_np(shard), full[j * rows:(j + 1) * rows])
     assert not np.array_equal(np.asarray(r.codes), np.asarray(w.codes))  # a plain row split would be wrong

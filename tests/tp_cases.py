@@ -173,6 +173,7 @@ def test_bench_tp_runs_on_simulated_devices(tmp_path):
     import bench_tp
 
     rows = bench_tp.main(["--tiny", "--cases", "70b,job", "--out", str(tmp_path), "--gpus", "2"])
-    assert (tmp_path / "bench_tp.json").exists() and "| decode | tiny-as-70b | 2 |" in (tmp_path / "bench_tp.md").read_text()
+    assert (tmp_path / "bench_tp.json").exists()
+    assert "| decode | tiny-as-70b | 2 |" in (tmp_path / "bench_tp.md").read_text()
     assert [(r["case"], r["gpus"]) for r in rows] == [("decode", 2), ("batch_job", 2)], rows
     assert all(r["tok_s"] > 0 for r in rows) and 0 < rows[0]["share_of_bound"] and rows[1]["completion_tokens"] == 36
