@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--list-kernels", action="store_true", help="print the registered kernels and exit")
     p.add_argument("--max-context", type=int, default=None, help="cap the context length (tokens)")
     p.add_argument("--output-format", choices=("text", "json"), default="text")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="split the model over N devices of this host (Megatron style, jax.sharding); default 1")
     p.add_argument("--no-checkpoint", action="store_true", help="read the GGUF directly, never convert it")
     p.add_argument("--verbose", "-v", action="store_true")
     p.add_argument("--draft", default=None, metavar="eagle[:PATH]|MODEL|layers:N|ngram",
@@ -126,7 +128,7 @@ def _run(args) -> int:
     from .llm import LLM
 
     llm = LLM(args.model, kernels=args.kernels, max_context=args.max_context, use_checkpoint=not args.no_checkpoint,
-              draft=args.draft, num_draft=args.num_draft, tree=args.tree)
+              draft=args.draft, num_draft=args.num_draft, tree=args.tree, tensor_parallel=args.tensor_parallel)
     prompt = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -224,9 +224,19 @@ def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache:
 class Engine:
     """Weights + config + kernel choice, and the array-level operations the API builds on."""
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, kernels: KernelSet):
+    def __init__(self, cfg: ModelConfig, weights: Weights, kernels: KernelSet, tensor_parallel: int = 1):
         self.cfg = cfg
-        self.weights = ops.prepare_weights(weights, kernels)  # kernels that repack weights do it once, here
+        self.parallel = None  # parallel.TensorParallel when the model is split over several devices
+        if tensor_parallel != 1:
+            from .parallel import TensorParallel
+
+            # weights stay in the engine's format: a kernel's load-time repack (ops.prepare_weights) is not done per
+            # shard, so such kernels (mgpu, best) take their own fallback under tensor parallelism
+            self.parallel = TensorParallel.create(cfg, tensor_parallel)
+            weights, kernels = self.parallel.shard_weights(cfg, weights), self.parallel.wrap_kernels(kernels)
+        else:
+            weights = ops.prepare_weights(weights, kernels)  # kernels that repack weights do it once, here
+        self.weights = weights
         self.kernels = kernels
         self.compile_seconds = 0.0
         self.model_name: str | None = None  # set by whoever loaded it (names the model's shipped draft head)
@@ -245,6 +255,8 @@ class Engine:
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         check_fits(self.cfg, batch, max_len)
+        if self.parallel is not None:
+            return self.parallel.new_cache(self.cfg, batch, max_len)
         return init_cache(self.cfg, batch, max_len)
 
     def cache_len_for(self, needed: int) -> int:

@@ -37,6 +37,11 @@ class ResourceLimitError(LuceboxError):
     """A request needs more of a resource (device memory) than there is; the message names the limit."""
 
 
+class ParallelismError(LuceboxError, ValueError):
+    """A tensor-parallel size the devices or the model cannot take (more devices than exist, a size that does not
+    divide the vocabulary, the FFN or a quantization group)."""
+
+
 class UnknownKernelError(LuceboxError, KeyError):
     """A kernel or op name that is not registered."""
 

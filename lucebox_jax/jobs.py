@@ -661,7 +661,7 @@ def run_job_from_args(args) -> int:
         from .llm import LLM
 
         return LLM(args.model, kernels=args.kernels, max_context=args.max_context,
-                   use_checkpoint=not args.no_checkpoint)
+                   use_checkpoint=not args.no_checkpoint, tensor_parallel=args.tensor_parallel)
 
     status, _ = run_job(cfg, loader=loader)
     return status

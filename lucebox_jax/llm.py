@@ -70,7 +70,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, kernels=None, kernels_module: str | None = None,
                  dtype: str | None = None, max_context: int | None = None, max_batch: int = 32, seed: int = 0,
                  use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128,
-                 draft=None, num_draft: int | str = 4, tree: int | None = None):
+                 draft=None, num_draft: int | str = 4, tree: int | None = None, tensor_parallel: int = 1):
         t0 = time.perf_counter()
         for name, v, lo in (("max_batch", max_batch, 1), ("max_context", max_context, 2), ("seed", seed, 0)):
             if (v is not None or name != "max_context") and (not is_int(v) or v < lo):
@@ -80,11 +80,15 @@ class LLM:
         if kernels_module:
             ops.import_kernel_module(kernels_module)
         kernel_set = KernelSet.resolve(kernels)
+        if tensor_parallel != 1:  # before the (slow) load
+            from .parallel import check_devices
+
+            check_devices(tensor_parallel)
         cfg, weights, tok_meta, self.source = load_model(model, dtype, use_checkpoint, group_size)
         if max_context is not None:
             cfg = cfg.replace(max_context=min(cfg.max_context, max_context))
         self.tokenizer = Tokenizer.from_gguf_metadata(tok_meta)
-        self.engine = Engine(cfg, weights, kernel_set)
+        self.engine = Engine(cfg, weights, kernel_set, tensor_parallel=tensor_parallel)  # parallel.py splits it
         self.engine.model_name = model_name(model)  # finds the model's shipped draft head (drafters/eagle.py)
         self.spec = None  # speculative decoding (speculative.py): draft "eagle" | "layers:N" | "ngram" | "model:PATH"
         if draft is not None:

@@ -53,6 +53,10 @@ class LayerWeights:
     k_norm: jax.Array | None = None
     post_attn_norm: jax.Array | None = None  # Gemma sandwich norms: on the attention / FFN output before the residual
     post_ffn_norm: jax.Array | None = None
+    # Column layout of the fused outputs: `groups` blocks, each holding 1/groups of every part (q|k|v, gate|up).
+    # 1 is the plain concatenation; tensor parallelism (parallel.py) regroups so each device's columns are one block.
+    qkv_groups: int = struct.field(pytree_node=False, default=1)
+    gate_up_groups: int = struct.field(pytree_node=False, default=1)
 
 
 @struct.dataclass
@@ -125,6 +129,18 @@ def _write_kv(cache_l, new, start):
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_l, new, start)
 
 
+def split_parts(y, groups: int, sizes: tuple[int, ...]) -> list:
+    """y [..., sum(sizes)] laid out as `groups` equal blocks, each holding 1/groups of every part in order -> the
+    parts [..., size] (groups=1: plain slicing)."""
+    lead = y.shape[:-1]
+    y = y.reshape(*lead, groups, -1)
+    parts, off = [], 0
+    for s in sizes:
+        parts.append(y[..., off: off + s // groups].reshape(*lead, s))
+        off += s // groups
+    return parts
+
+
 def tree_attention(q, kc, vc, n_visible, k_win, v_win, anc, scale):
     """Attention of a token tree: q [B, T, Hq, hd] sees cache slots < n_visible[b] of kc/vc [B, Hkv, S, hd] and the
     window keys k_win/v_win [B, T2, Hkv, hd] where anc [B, T, T2] (its ancestors and itself). Plain XLA."""
@@ -168,9 +184,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     for i, lw in enumerate(w.layers):
         h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
         qkv = linear(h, lw.wqkv, lw.bqkv, kernels=kernels)
-        q = qkv[..., : cfg.q_dim].reshape(b, t, hq, hd)
-        k = qkv[..., cfg.q_dim : cfg.q_dim + cfg.kv_dim].reshape(b, t, hkv, hd)
-        v = qkv[..., cfg.q_dim + cfg.kv_dim :].reshape(b, t, hkv, hd)
+        q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
+        q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
         if lw.q_norm is not None:
             q = rms_norm(q, lw.q_norm, cfg.rms_eps)
             k = rms_norm(k, lw.k_norm, cfg.rms_eps)
@@ -192,9 +207,10 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
         x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
         h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-        gu = linear(h, lw.w_gate_up, kernels=kernels)
-        act = _ACTIVATIONS[cfg.activation](gu[..., : cfg.ffn_dim].astype(jnp.float32))
-        o = linear((act * gu[..., cfg.ffn_dim :].astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
+        gate, up = split_parts(linear(h, lw.w_gate_up, kernels=kernels), lw.gate_up_groups,
+                               (cfg.ffn_dim, cfg.ffn_dim))
+        act = _ACTIVATIONS[cfg.activation](gate.astype(jnp.float32))
+        o = linear((act * up.astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
         x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))
         if hidden_layers is not None and i in hidden_layers:
             hidden[hidden_layers.index(i)] = x

@@ -212,7 +212,8 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     """The one matmul dispatch point: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
 
     int4 weights go through the registered `qmatmul` kernel chosen by `kernels` (a `KernelSet`), int8 weights through
-    `qmatmul8`, weights a kernel repacked for itself back to that kernel, dense weights through XLA.
+    `qmatmul8`, weights a kernel repacked for itself back to that kernel, dense weights through XLA, tensor-parallel
+    weights (`parallel.ShardedLinear`) through this same dispatch once per shard.
     """
     from . import ops
 
@@ -225,6 +226,8 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
         y = ops.get("qmatmul8", kernels.qmatmul8 if kernels is not None else None)(x2, w)
     elif hasattr(w, "prepared_by"):  # repacked at engine build for one kernel (ops.prepare_weights): back to it
         y = ops.get(w.matmul_op, w.prepared_by)(x2, w)
+    elif hasattr(w, "apply_linear"):  # a tensor-parallel weight (parallel.py): this same dispatch, once per shard
+        y = w.apply_linear(x2, kernels)
     else:
         y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     y = y.reshape(*lead, y.shape[-1])

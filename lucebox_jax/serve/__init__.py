@@ -75,7 +75,8 @@ def run_serve_from_args(args) -> int:
     gpu = jax.default_backend() != "cpu"
     ctx = args.max_context or (4096 if gpu else 2048)
     print(f"loading {name} ...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, kernels=args.kernels, max_context=ctx, use_checkpoint=not args.no_checkpoint)
+    llm = LLM(args.model, kernels=args.kernels, max_context=ctx, use_checkpoint=not args.no_checkpoint,
+              tensor_parallel=args.tensor_parallel)
     slots, ctx = default_shape(llm.engine, args.batch_size, llm.config.max_context)
     steps = args.steps_per_call or (16 if gpu else 8)
     # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns

@@ -1,0 +1,179 @@
+"""Tensor-parallel cases on 8 simulated CPU devices. Not collected by the suite directly: `test_parallel.py` runs this
+file in its own pytest process with XLA_FLAGS=--xla_force_host_platform_device_count=8 (jax reads the flag once, at
+start-up). The reference of every comparison is one device running the same weights without any mesh.
+
+Activations are float32 (the CPU default), where the split sums round differently from one device's only in the last
+bits; greedy tokens are compared exactly."""
+
+import collections
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from lucebox_jax import LLM, SamplingParams
+from lucebox_jax.engine import Engine, decode_step
+from lucebox_jax.errors import ParallelismError
+from lucebox_jax.model import EmbedTable
+from lucebox_jax.ops import KernelSet
+from lucebox_jax.quant import Int8Array
+from lucebox_jax.sampling import RowParams
+from lucebox_jax.scheduler import SlotRequest, generate_ids
+from lucebox_jax.speculative import SpeculativeDecoder
+from lucebox_jax.synthetic import PRESETS, random_weights
+
+if jax.device_count() < 8:
+    pytest.skip("run by test_parallel.py with 8 simulated devices", allow_module_level=True)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, seed=0)
+TINY = PRESETS["tiny"]  # 4 query heads, 2 KV heads: split at N = 2, replicated attention at N = 4
+
+
+def greedy_ids(eng: Engine, prompts, n_new: int, spec=None) -> np.ndarray:
+    """Greedy completions [B, n_new] through the engine's prefill, first-token sampling and decode loop."""
+    b = len(prompts)
+    need = max(map(len, prompts)) + n_new
+    cache = eng.new_cache(b, spec.cache_len(need) if spec else eng.cache_len_for(need))
+    rp = RowParams.from_params([GREEDY] * b)
+    last, _, cache = eng.prefill(cache, prompts)
+    seen = eng.new_seen(prompts)
+    first, seen = eng.first_token(last, rp, [len(p) for p in prompts], seen)
+    row_max = np.full((b,), n_new, np.int32)
+    if spec is not None:
+        bufs, count, _ = spec.loop(cache, prompts, first, rp, seen, [set()] * b, row_max)
+    else:
+        bufs, count, _, _ = eng.loop(cache, first, rp, seen, [set()] * b, row_max)
+    assert (np.asarray(count) == n_new).all()
+    return np.asarray(bufs.tokens)[:, :n_new]
+
+
+@pytest.fixture(scope="module")
+def tiny_weights():
+    return random_weights(TINY, jax.random.key(3), group_size=32)
+
+
+@pytest.fixture(scope="module")
+def smol_ref(smol):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    return prompts, [o.outputs[0].token_ids for o in smol.generate(prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_embedded_model_greedy_equals_one_device(smol_ref, n):
+    prompts, ref = smol_ref
+    llm = LLM(tensor_parallel=n)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert got == ref
+    # 3 KV heads do not split over 2, 4 or 8: attention and its cache replicated, MLP split (parallel.py says why)
+    w = llm.engine.weights.layers[0]
+    assert w.w_down.w.codes.sharding.spec == P("tp", None) and w.wo.split == "replicated"
+    assert w.w_down.w.codes.addressable_shards[0].data.shape[0] == llm.config.ffn_dim // 2 // n
+    assert llm.engine.weights.embed.table.addressable_shards[0].data.shape[0] == llm.config.vocab_size // n
+
+
+def llama3_8b_shaped(layers: int):
+    """Random Llama-3-8B-shaped weights of `layers` layers: `random_weights` for the layers, the 128256-row int8
+    embedding and head drawn with NumPy (jax.random takes a minute for their 10^9 codes on two CPU cores)."""
+    cfg = PRESETS["llama3-8b"].replace(n_layers=layers, max_context=256)
+    w = random_weights(cfg.replace(vocab_size=256), jax.random.key(1), group_size=128, asymmetric=True)
+    rng = np.random.default_rng(0)
+    v, d = cfg.vocab_size, cfg.dim
+
+    def codes(shape):
+        return jnp.asarray(np.frombuffer(rng.bytes(int(np.prod(shape))), np.int8).reshape(shape))
+
+    embed = EmbedTable(codes((v, d)), jnp.full((v, d // 32), 0.02 / 64, jnp.float16), 32)
+    head = Int8Array(codes((d, v)), jnp.asarray(rng.uniform(0.5, 1.5, (d // 32, v)) * d ** -0.5 / 64, jnp.float16))
+    return cfg, w.replace(embed=embed, head=head)
+
+
+def test_llama3_8b_shaped_greedy_equals_one_device():
+    """Llama-3-8B shapes (vocabulary, width, heads, FFN) at depth 1: 8 KV heads split at N = 2, 4 and 8."""
+    cfg, w = llama3_8b_shaped(1)
+    prompts = [[128000, 791, 6864, 315, 9822, 374]]
+    ref = greedy_ids(Engine(cfg, w, KernelSet.resolve()), prompts, 3)
+    assert len(set(ref[0].tolist())) > 1  # not a degenerate repeat
+    for n in (2, 4, 8):
+        eng = Engine(cfg, w, KernelSet.resolve(), tensor_parallel=n)
+        assert eng.parallel.heads_split
+        cache = eng.new_cache(1, 256)
+        assert cache.k[0].addressable_shards[0].data.shape[1] == cfg.n_kv_heads // n
+        np.testing.assert_array_equal(greedy_ids(eng, prompts, 3), ref, err_msg=f"tensor_parallel={n}")
+
+
+def _collectives(cfg, w, n) -> collections.Counter:
+    eng = Engine(cfg, w, KernelSet.resolve(), tensor_parallel=n)
+    rp = RowParams.from_params([GREEDY])
+    hlo = decode_step.lower(cfg, eng.kernels, eng.weights, eng.new_cache(1, 256), jnp.zeros((1,), jnp.int32), rp,
+                            jnp.zeros((1, cfg.vocab_size), bool)).compile().as_text()
+    return collections.Counter(re.findall(
+        r"\s(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(", hlo))
+
+
+@pytest.mark.parametrize("n, per_layer", [(2, 2), (4, 1)])
+def test_all_reduces_per_layer_in_compiled_decode_step(n, per_layer):
+    """Megatron: one all-reduce after wo and one after w_down per layer (only w_down's when the attention is
+    replicated); read from the compiled HLO as the difference between 4 and 2 layers, so the embedding lookup's and
+    the sampler's fixed collectives cancel out. No other collective may grow with depth."""
+    counts = {}
+    for layers in (2, 4):
+        cfg = TINY.replace(n_layers=layers)
+        counts[layers] = _collectives(cfg, random_weights(cfg, group_size=32), n)
+    grown = counts[4] - counts[2]
+    assert dict(grown) == {"all-reduce": 2 * per_layer}, counts
+
+
+def test_scheduler_with_two_devices_equals_one(tiny_weights):
+    reqs = [SlotRequest(i, p, GREEDY, frozenset(), m)
+            for i, (p, m) in enumerate(zip([[5, 6, 7], [9] * 12, [1, 2], [200, 3, 4, 5]], [6, 3, 8, 5]))]
+
+    def run(n):
+        done = generate_ids(Engine(TINY, tiny_weights, KernelSet.resolve(), tensor_parallel=n), reqs, slots=2,
+                            max_len=256, steps_per_call=4)
+        return {k: f.token_ids for k, f in done.items()}
+
+    assert run(2) == run(1)
+
+
+def test_speculative_with_two_devices_equals_plain_greedy(tiny_weights):
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    ref = greedy_ids(Engine(TINY, tiny_weights, KernelSet.resolve()), prompts, 10)
+    eng = Engine(TINY, tiny_weights, KernelSet.resolve(), tensor_parallel=2)
+    spec = SpeculativeDecoder.create(eng, "layers:1", 3)
+    np.testing.assert_array_equal(greedy_ids(eng, prompts, 10, spec), ref)
+
+
+def test_pallas_kernels_run_per_shard_under_shard_map(tiny_weights):
+    """Pallas kernels (interpret mode on the CPU) inside shard_map: the attention as `pallas@tp2`, the int4/int8
+    matmuls inside each ShardedLinear; tokens equal the one-device xla ones."""
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    ref = greedy_ids(Engine(TINY, tiny_weights, KernelSet.resolve()), prompts, 4)
+    eng = Engine(TINY, tiny_weights, KernelSet.resolve("qmatmul=pallas,qmatmul8=pallas,attention_decode=pallas,"
+                                                       "attention_prefill=pallas"), tensor_parallel=2)
+    assert eng.kernels.attention_decode == "pallas@tp2" and eng.kernels.qmatmul == "pallas"
+    np.testing.assert_array_equal(greedy_ids(eng, prompts, 4), ref)
+
+
+def test_sizes_that_do_not_divide_are_refused(tiny_weights):
+    with pytest.raises(ParallelismError, match="needs 16 devices but 8"):
+        Engine(TINY, tiny_weights, KernelSet.resolve(), tensor_parallel=16)
+    with pytest.raises(ParallelismError, match="vocabulary size"):
+        Engine(TINY.replace(vocab_size=258), tiny_weights, KernelSet.resolve(), tensor_parallel=4)
+    with pytest.raises(ParallelismError, match="128 input rows of layer 0 w_down into whole quantization groups"):
+        Engine(TINY, tiny_weights, KernelSet.resolve(), tensor_parallel=8)
+
+
+def test_bench_tp_runs_on_simulated_devices(tmp_path):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_tp
+
+    rows = bench_tp.main(["--tiny", "--cases", "70b,job", "--out", str(tmp_path), "--gpus", "2"])
+    assert (tmp_path / "bench_tp.json").exists()
+    assert "| decode | tiny-as-70b | 2 |" in (tmp_path / "bench_tp.md").read_text()
+    assert [(r["case"], r["gpus"]) for r in rows] == [("decode", 2), ("batch_job", 2)], rows
+    assert all(r["tok_s"] > 0 for r in rows) and 0 < rows[0]["share_of_bound"] and rows[1]["completion_tokens"] == 36
