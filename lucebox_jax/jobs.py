@@ -381,9 +381,11 @@ class JobConfig:
     steps_per_call: int | None = None
     seed: int = 0
     defaults: dict = dataclasses.field(default_factory=dict)  # SamplingParams fields
+    spec_max_slots: int | None = None  # with a drafter (LLM(draft=...)): no speculation above this many slots
+    spec_min_accept: float | None = None  # a slot stops speculating below this acceptance (spec_batch.py)
 
     def __post_init__(self):  # the Python API gets the same strict checks as the command line
-        for name, lo in (("slots", 1), ("max_context", 2), ("steps_per_call", 1)):
+        for name, lo in (("slots", 1), ("max_context", 2), ("steps_per_call", 1), ("spec_max_slots", 1)):
             v = getattr(self, name)
             if v is not None and (not is_int(v) or v < lo):
                 raise JobError(f"{name} must be an integer >= {lo}, got {v!r}")
@@ -409,6 +411,7 @@ class JobSummary:
     interrupted: bool = False
     slots: int = 0
     max_context: int = 0
+    speculative: dict | None = None  # Scheduler.spec_stats() when the LLM has a drafter
 
     def line(self) -> str:
         tps = self.completion_tokens / self.gen_seconds if self.gen_seconds > 0 else 0.0
@@ -519,8 +522,15 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
         text = tok.decode([t for t in ids if t not in r.stop_ids], skip_special=True)
         return find_stop(text, stops) is not None
 
+    spec = None
+    if getattr(llm, "spec", None) is not None:  # speculation per slot (spec_batch.py)
+        from .spec_batch import BatchSpec
+
+        spec = BatchSpec.from_decoder(llm.spec, max_slots=cfg.spec_max_slots, min_accept=cfg.spec_min_accept)
     sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps,
-                      max_prefill_batch=min(8, slots), stop_check=stop_check)
+                      max_prefill_batch=min(8, slots), stop_check=stop_check, spec=spec)
+    if spec is not None:
+        log(f"speculative: {spec.describe()}" if sched.spec is not None else sched.spec_note)
     signals = _Signals()
     writer = ResultWriter(cfg.output, cfg.ordered, signals, fd)
     bar = None
@@ -607,6 +617,11 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
     summ.compile_seconds = eng.compile_seconds - c0
     summ.gen_seconds = max(time.perf_counter() - t_gen - summ.compile_seconds, 1e-9)
     summ.wall_seconds = time.perf_counter() - t_start
+    summ.speculative = sched.spec_stats()
+    if summ.speculative and "row_steps" in summ.speculative:
+        from .speculative import format_stats
+
+        log(format_stats(summ.speculative))
     if interrupted:
         summ.interrupted = True
         summ.lost = len(todo) - summ.ok - summ.failed
@@ -628,6 +643,8 @@ def add_job_arguments(p):
                    help="decode slots (requests generated at once; default: 8 on the CPU, from free memory on a GPU)")
     g.add_argument("--steps-per-call", type=int, default=None,
                    help="decode steps per device call between checks for finished requests (default 8 CPU, 16 GPU)")
+    g.add_argument("--spec-max-slots", type=int, default=None,
+                   help="with --draft: speculate only with at most this many slots (default 32)")
 
 
 def job_config_from_args(args) -> JobConfig:
@@ -641,13 +658,18 @@ def job_config_from_args(args) -> JobConfig:
         raise JobError(f"--steps-per-call must be >= 1, got {args.steps_per_call}")
     if args.max_context is not None and args.max_context < 2:
         raise JobError(f"--max-context must be >= 2, got {args.max_context}")
+    if args.spec_max_slots is not None and args.spec_max_slots < 1:
+        raise JobError(f"--spec-max-slots must be >= 1, got {args.spec_max_slots}")
+    if args.draft is not None and (args.tree is not None or str(args.num_draft).strip().lower() == "auto"):
+        raise JobError("batch jobs speculate with a fixed --num-draft K and no --tree")
     # no seed among the defaults: a request without its own derives one from --seed and its id (derive_seed)
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     min_p=args.min_p, repetition_penalty=args.repeat_penalty, stop=args.stop)
     SamplingParams(**defaults, seed=args.seed)  # bad command-line values fail before anything runs
     return JobConfig(input=args.input, output=args.output, token_ids=args.token_ids, ordered=args.ordered,
                      quiet=args.quiet, slots=args.batch_size, max_context=args.max_context,
-                     steps_per_call=args.steps_per_call, seed=args.seed or 0, defaults=defaults)
+                     steps_per_call=args.steps_per_call, seed=args.seed or 0, defaults=defaults,
+                     spec_max_slots=args.spec_max_slots)
 
 
 def run_job_from_args(args) -> int:
@@ -661,7 +683,8 @@ def run_job_from_args(args) -> int:
         from .llm import LLM
 
         return LLM(args.model, kernels=args.kernels, max_context=args.max_context,
-                   use_checkpoint=not args.no_checkpoint, tensor_parallel=args.tensor_parallel)
+                   use_checkpoint=not args.no_checkpoint, tensor_parallel=args.tensor_parallel, draft=args.draft,
+                   num_draft=args.num_draft)
 
     status, _ = run_job(cfg, loader=loader)
     return status

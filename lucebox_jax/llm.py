@@ -178,7 +178,9 @@ class LLM:
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = False) -> list[RequestOutput]:
         """Raw prompts (no chat template), as strings or {"prompt_token_ids": [...]}; one RequestOutput each."""
         reqs = self._requests(prompts, sampling_params)
-        if len(reqs) > self.max_batch and self.spec is None and all(
+        # the scheduler speculates with a fixed K and no tree; adaptive K and trees run as static batches
+        chain = self.spec is None or not (self.spec.adaptive or self.spec.tree_width)
+        if len(reqs) > self.max_batch and chain and all(
                 r.params.logprobs is None and r.params.prompt_logprobs is None for r in reqs):
             return self._generate_continuous(reqs, use_tqdm)
         outs: list[RequestOutput | None] = [None] * len(reqs)
@@ -210,7 +212,12 @@ class LLM:
                              frozenset(self.stop_ids_for(r.params)),
                              m) for i, (r, m) in enumerate(zip(reqs, budgets))]
         max_len = self.engine.cache_len_for(max(len(r.ids) + m for r, m in zip(reqs, budgets)))
-        sched = Scheduler(self.engine, slots=self.max_batch, max_len=max_len)
+        spec = None
+        if self.spec is not None:  # speculation per slot (spec_batch.py)
+            from .spec_batch import BatchSpec
+
+            spec = BatchSpec.from_decoder(self.spec)
+        sched = Scheduler(self.engine, slots=self.max_batch, max_len=max_len, spec=spec)
         outs: list[RequestOutput | None] = [None] * len(reqs)
         bar = None
         if use_tqdm:
@@ -226,6 +233,8 @@ class LLM:
                 bar.update(len(batch))
         if bar:
             bar.close()
+        if spec is not None:
+            self.last_stats = {"speculative": sched.spec_stats()}
         return outs
 
     def chat(self, messages, sampling_params=None, add_generation_prompt: bool = True, use_tqdm: bool = False):

@@ -46,6 +46,7 @@ class SlotState:
     count: jax.Array  # [B] int32 tokens generated so far
     row_max: jax.Array  # [B] int32 token budget
     stop_ids: jax.Array  # [B, K] int32, padded with -1
+    spec: object = None  # spec_batch.SpecRows when the scheduler speculates
 
 
 def init_state(engine: Engine, slots: int, max_len: int, n_stop: int = 8) -> SlotState:
@@ -165,7 +166,7 @@ class Scheduler:
     def __init__(self, engine: Engine, slots: int = 8, max_len: int = 2048, steps_per_call: int = 8,
                  max_prefill_batch: int = 8, prefill_tokens: int = 8192,
                  stop_check: Callable[[SlotRequest, list[int]], bool] | None = None,
-                 prefill_sizes: tuple[int, ...] | None = None, min_prefill_len: int = 0):
+                 prefill_sizes: tuple[int, ...] | None = None, min_prefill_len: int = 0, spec=None):
         if slots < 1 or max_len < 2 or steps_per_call < 1:
             raise ValueError(f"bad scheduler shape: slots={slots}, max_len={max_len}, steps={steps_per_call}")
         self.engine = engine
@@ -182,6 +183,12 @@ class Scheduler:
         self.min_prefill_len = min_prefill_len
         self.state: SlotState | None = None
         self.stats = collections.Counter()
+        # speculation (spec_batch.BatchSpec): off above its slot limit; the cache holds K positions past max_len
+        self.spec = spec if spec is not None and slots <= spec.max_slots else None
+        self.spec_note = (f"speculation off: {slots} slots > {spec.max_slots}" if spec is not None and self.spec is None
+                          else None)
+        self.cache_len = max_len + (self.spec.k if self.spec else 0)
+        self._spec_on = np.zeros(slots, bool)  # host copy of state.spec.on
 
     # ------------------------------------------------------------------ device calls
     def _call(self, key, fn, *args, **kw):
@@ -189,7 +196,9 @@ class Scheduler:
 
     def _ensure_state(self, n_stop: int):
         if self.state is None:
-            self.state = init_state(self.engine, self.slots, self.max_len, max(8, pow2_at_least(n_stop)))
+            self.state = init_state(self.engine, self.slots, self.cache_len, max(8, pow2_at_least(n_stop)))
+            if self.spec is not None:
+                self.state = self.state.replace(spec=self.spec.empty_rows(self.slots, self.cache_len))
         elif n_stop > self.state.stop_ids.shape[1]:
             k = pow2_at_least(n_stop)
             pad = jnp.full((self.slots, k - self.state.stop_ids.shape[1]), -1, jnp.int32)
@@ -216,9 +225,11 @@ class Scheduler:
         row_max = np.array([r.max_new for r in reqs], np.int32)
         first_np = np.asarray(first.tokens)
         done = np.array([int(t) in r.stop_ids or r.max_new <= 1 for t, r in zip(first_np, reqs)])
-        self.state = self._call(("insert", p, cache.max_len, self.slots, self.max_len, k), insert_rows, self.state,
+        self.state = self._call(("insert", p, cache.max_len, self.slots, self.cache_len, k), insert_rows, self.state,
                                 cache, jnp.asarray(slot_ids, jnp.int32), first.tokens, seen, rp,
                                 jnp.asarray(row_max), jnp.asarray(stop), jnp.asarray(done))
+        if self.spec is not None:
+            self._admit_spec(prompts, slot_ids, first.tokens)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_rows"] += n
         self.stats["prompt_tokens"] += int(lens[:n].sum())
@@ -245,13 +256,56 @@ class Scheduler:
             off += t
         return last, cache.replace(lengths=jnp.asarray(lens))
 
-    def _decode(self, retire: np.ndarray, exit_after: int) -> np.ndarray:
+    def _admit_spec(self, prompts, slot_ids, first):
+        """The drafter's state of newly prefilled rows into their slots (speculation on for each)."""
+        from .spec_batch import insert_spec_rows
+
+        eng, d = self.engine, self.spec.drafter
+        deng = getattr(d, "engine", None)  # a draft model's own prefill compiles count as compile time
+        c0 = deng.compile_seconds if deng is not None else 0.0
+        dstate = self.spec.init_dstate(prompts, self.cache_len, first)
+        if deng is not None:
+            eng.compile_seconds += deng.compile_seconds - c0
+        p = len(prompts)
+        rows = self._call(("spec-insert", p, self.slots, self.cache_len), insert_spec_rows, self.state.spec, dstate,
+                          jnp.asarray(slot_ids, jnp.int32), jnp.asarray([x[-1] for x in prompts], jnp.int32),
+                          jnp.ones((p,), bool))
+        self.state = self.state.replace(spec=rows)
+        self._spec_on[slot_ids] = True
+
+    def _decode(self, retire: np.ndarray, exit_after: int, active=()) -> np.ndarray:
         eng = self.engine
-        key = ("chunk", self.slots, self.max_len, self.steps_per_call, self.state.stop_ids.shape[1])
+        if self.spec is not None and any(self._spec_on[s] for s in active):
+            return self._decode_spec(retire, exit_after)
+        key = ("chunk", self.slots, self.cache_len, self.steps_per_call, self.state.stop_ids.shape[1])
         self.state, buf = self._call(key, decode_chunk, eng.cfg, eng.kernels, eng.weights, self.state,
                                      jnp.asarray(retire), jnp.int32(exit_after), n_steps=self.steps_per_call)
         self.stats["decode_calls"] += 1
         return np.asarray(buf)
+
+    def _decode_spec(self, retire: np.ndarray, exit_after: int) -> np.ndarray:
+        from .spec_batch import spec_decode_chunk
+
+        eng, sp = self.engine, self.spec
+        key = ("spec-chunk", sp.drafter.key, sp.k, self.slots, self.cache_len, self.steps_per_call,
+               self.state.stop_ids.shape[1])
+        self.state, buf = self._call(key, spec_decode_chunk, eng.cfg, eng.kernels, sp.drafter, eng.weights,
+                                     sp.drafter.params, self.state, jnp.asarray(retire), jnp.int32(exit_after),
+                                     jnp.float32(sp.min_accept), jnp.int32(sp.warmup), n_steps=self.steps_per_call,
+                                     k=sp.k)
+        self.stats["decode_calls"] += 1
+        self.stats["spec_calls"] += 1
+        self._spec_on = np.array(self.state.spec.on)
+        return np.asarray(buf)
+
+    def spec_stats(self) -> dict | None:
+        """Acceptance over the run (spec_batch.BatchSpec.stats), or None without speculation."""
+        if self.spec is None:
+            return {"off": self.spec_note} if self.spec_note else None
+        st = self.spec.stats(self.state.spec if self.state is not None else None)
+        st["spec_calls"] = self.stats["spec_calls"]
+        st["plain_calls"] = self.stats["decode_calls"] - self.stats["spec_calls"]
+        return st
 
     # ------------------------------------------------------------------ host loop
     def _check(self, a: _Active) -> str | None:
@@ -334,7 +388,7 @@ class Scheduler:
                 continue
             # with requests waiting, come back as soon as a prefill group's worth of slots is free
             exit_after = max(1, min(self.max_prefill_batch, len(waiting))) if waiting else self.slots + 1
-            buf = self._decode(retire, exit_after)
+            buf = self._decode(retire, exit_after, active)
             retire[:] = False
             for s in list(active):
                 a = active[s]

@@ -1,0 +1,153 @@
+"""Speculation inside continuous batching (spec_batch.py): greedy results of the scheduler with a drafter equal the
+plain scheduler's token for token (ngram, an untrained eagle head, layer skip) at several slot counts, with stop ids,
+per-row budgets and host-side stops, while rows finish at different times and slots are refilled; the policy (slot
+limit, per-slot acceptance floor) and seeded sampling independent of the neighbours."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from lucebox_jax import SamplingParams
+from lucebox_jax.drafters import EagleDrafter, build
+from lucebox_jax.drafters.eagle import EagleConfig, init_head
+from lucebox_jax.scheduler import Scheduler, SlotRequest
+from lucebox_jax.spec_batch import BatchSpec, break_even_acceptance
+from lucebox_jax.speculative import expected_tokens
+
+MAX_LEN, STEPS = 256, 4
+
+
+def _prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = [3, 14, 9, 16, 1, 12, 7, 10][:n]
+    ps = [[int(x) for x in rng.integers(0, 256, size=k)] for k in lens]
+    ps[1] = [5, 6, 7, 8] * 3 + [5, 6]  # something for the n-gram drafter to find
+    return ps
+
+
+def _requests(llm, prompts, maxes, stops=None, temp=0.0):
+    out = []
+    for i, (p, m) in enumerate(zip(prompts, maxes)):
+        sp = SamplingParams(temperature=temp, max_tokens=m, ignore_eos=True, seed=100 + i,
+                            stop_token_ids=list((stops or {}).get(i, [])))
+        out.append(SlotRequest(i, p, sp, frozenset(llm.stop_ids_for(sp)), m))
+    return out
+
+
+def _run(llm, reqs, slots, spec=None, stop_check=None):
+    sched = Scheduler(llm.engine, slots=slots, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2,
+                      spec=spec, stop_check=stop_check)
+    got = {f.request.key: f for batch in sched.run(reqs) for f in batch}
+    return {k: (f.token_ids, f.finish_reason) for k, f in got.items()}, sched
+
+
+def _drafter(llm, name):
+    if name == "eagle":
+        hc = EagleConfig.for_target(llm.engine.cfg)
+        return EagleDrafter(hc, init_head(hc, jax.random.key(1)), llm.engine)
+    return build(name, llm.engine)
+
+
+@pytest.fixture(scope="module")
+def case(tiny_llm):
+    prompts = _prompts(8)
+    maxes = [5, 40, 16, 1, 9, 30, 3, 12]
+    plain, _ = _run(tiny_llm, _requests(tiny_llm, prompts, maxes), 3)
+    return prompts, maxes, plain
+
+
+@pytest.mark.parametrize("name,k,slots", [("ngram", 4, 3), ("ngram", 2, 1), ("eagle", 3, 3), ("layers:1", 2, 2)])
+def test_greedy_equals_plain_scheduler(tiny_llm, case, name, k, slots):
+    prompts, maxes, plain = case
+    spec = BatchSpec(_drafter(tiny_llm, name), k, min_accept=0.0)  # keep speculating: exercise the verify path
+    got, sched = _run(tiny_llm, _requests(tiny_llm, prompts, maxes), slots, spec)
+    assert got == plain
+    st = sched.spec_stats()
+    assert st["row_steps"] > 0 and sched.stats["spec_calls"] > 0
+    assert sched.stats["prefill_rows"] == len(prompts)
+    if name == "ngram":  # the repeating prompt makes the lookup right at least sometimes
+        assert st["mean_accepted"] > 0
+
+
+def test_stop_ids_and_host_stops_per_row(tiny_llm, case):
+    prompts, maxes, plain = case
+    # stop row 1 at the token its plain completion makes 6th, row 5 by a host-side check after 4 tokens
+    stops = {1: [plain[1][0][5]]}
+    check = lambda r, ids: r.key == 5 and len(ids) >= 4  # noqa: E731
+    want, _ = _run(tiny_llm, _requests(tiny_llm, prompts, maxes, stops), 3, stop_check=check)
+    assert want[1][1] == "stop" and want[5][1] == "check"
+    spec = BatchSpec(build("ngram", tiny_llm.engine), 4, min_accept=0.0)
+    got, _ = _run(tiny_llm, _requests(tiny_llm, prompts, maxes, stops), 3, spec, stop_check=check)
+    # a host-side check sees each round's tokens, and a round holds more of them with drafts: the same prefix, cut
+    # later (jobs cut stop strings in the text, see test_job_with_draft_equals_plain_job)
+    assert got[5][1] == "check" and got[5][0][:5] == want[5][0]
+    assert {i: g for i, g in got.items() if i != 5} == {i: w for i, w in want.items() if i != 5}
+
+
+def test_policy_slot_limit_and_acceptance_floor(tiny_llm, case):
+    prompts, maxes, plain = case
+    d = _drafter(tiny_llm, "eagle")
+    off, sched = _run(tiny_llm, _requests(tiny_llm, prompts, maxes), 3, BatchSpec(d, 3, max_slots=2))
+    assert off == plain and sched.spec is None and "3 slots > 2" in sched.spec_stats()["off"]
+    # an untrained head is almost never right: every slot stops speculating after its warm-up, then plain decoding
+    got, sched = _run(tiny_llm, _requests(tiny_llm, prompts, maxes), 3, BatchSpec(d, 3, min_accept=0.5, warmup=3))
+    assert got == plain
+    st = sched.spec_stats()
+    assert st["plain_calls"] > 0 and st["spec_calls"] > 0
+    a = break_even_acceptance(4, 0.2)
+    assert abs(expected_tokens(a, 4) - 1.8) < 1e-6 and break_even_acceptance(4, 1.5) > 1
+
+
+def test_seeded_sampling_independent_of_neighbours(tiny_llm):
+    prompts = _prompts(5, seed=2)
+    spec = BatchSpec(build("ngram", tiny_llm.engine), 3, min_accept=0.0)
+    reqs = _requests(tiny_llm, prompts, [12] * 5, temp=0.8)
+    alone, _ = _run(tiny_llm, [reqs[1]], 2, spec)
+    mixed, _ = _run(tiny_llm, [reqs[0], reqs[2], reqs[1], reqs[3]], 2, spec)
+    assert alone[1] == mixed[1]
+    other = dataclasses.replace(reqs[1], params=dataclasses.replace(reqs[1].params, seed=7))
+    assert _run(tiny_llm, [other], 2, spec)[0][1] != alone[1]
+
+
+def test_job_with_draft_equals_plain_job(tmp_path, tiny_llm):
+    """A JSONL job with a drafter: the same results as without (stop strings and stop ids per row included)."""
+    from test_jobs import job, read_out
+
+    plain_out = [o.outputs[0] for o in tiny_llm.generate(["x 1"], SamplingParams(temperature=0, max_tokens=12))]
+    stop_text = plain_out[0].text[3:6] or None
+    rows = [{"id": f"r{i}", "prompt": w, "max_tokens": m} for i, (w, m) in
+            enumerate(zip(["alpha", "x 1", "the quick brown fox", "a b a b a b", "zeta"], [9, 12, 1, 20, 6]))]
+    rows[1]["stop"] = [stop_text] if stop_text else []
+    rows[4]["stop_token_ids"] = [int(plain_out[0].token_ids[0])]
+    _, summ, _ = job(tmp_path, tiny_llm, rows, out="plain.jsonl", token_ids=True)
+    old, tiny_llm.spec = tiny_llm.spec, _decoder(tiny_llm, "ngram", 3)
+    try:
+        _, summ2, logs = job(tmp_path, tiny_llm, rows, out="spec.jsonl", token_ids=True, spec_min_accept=0.0)
+    finally:
+        tiny_llm.spec = old
+    key = lambda r: (r["id"], r["text"], r["finish_reason"], r["token_ids"])  # noqa: E731
+    assert sorted(map(key, read_out(tmp_path / "spec.jsonl"))) == sorted(map(key, read_out(tmp_path / "plain.jsonl")))
+    assert summ2.speculative["row_steps"] > 0 and summ.speculative is None
+    assert any("speculative" in x for x in logs)
+
+
+def test_llm_generate_many_prompts_speculates(tiny_llm):
+    prompts = ["hello", "a b a b a b a b", "x", "the quick brown fox", "12345 678"]
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (6, 14, 9, 5, 7)]
+    static = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params)]
+    old = tiny_llm.max_batch, tiny_llm.spec
+    tiny_llm.max_batch, tiny_llm.spec = 2, _decoder(tiny_llm, "ngram", 4)
+    try:
+        cont = [o.outputs[0].token_ids for o in tiny_llm.generate(prompts, params)]
+        st = tiny_llm.last_stats["speculative"]
+    finally:
+        tiny_llm.max_batch, tiny_llm.spec = old
+    assert cont == static and st["drafter"].startswith("ngram") and st["num_draft"] == 4
+
+
+def _decoder(llm, name, k):
+    from lucebox_jax.speculative import SpeculativeDecoder
+
+    return SpeculativeDecoder(llm.engine, _drafter(llm, name), k)
