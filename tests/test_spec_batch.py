@@ -151,3 +151,21 @@ def _decoder(llm, name, k):
     from lucebox_jax.speculative import SpeculativeDecoder
 
     return SpeculativeDecoder(llm.engine, _drafter(llm, name), k)
+
+
+def test_batch_benchmark_runs_tiny(tmp_path, monkeypatch):
+    """benchmarks/bench_spec_batch.py in its CPU configuration: a result per configuration, greedy outputs equal."""
+    import os
+    import sys
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import bench_spec_batch
+    finally:
+        sys.path.pop(0)
+    res = bench_spec_batch.main(["--tiny", "--slots", "2", "--drafters", "ngram,eagle", "--max-tokens", "8"])
+    runs = res["runs"]
+    assert [r["drafter"] for r in runs] == ["plain", "ngram", "eagle"]
+    assert all(r["greedy_equal"] == r["requests"] for r in runs[1:]) and all(r["tok_s"] > 0 for r in runs)
+    assert (tmp_path / "bench_spec_batch.json").exists()
