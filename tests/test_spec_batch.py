@@ -169,3 +169,33 @@ def test_batch_benchmark_runs_tiny(tmp_path, monkeypatch):
     assert [r["drafter"] for r in runs] == ["plain", "ngram", "eagle"]
     assert all(r["greedy_equal"] == r["requests"] for r in runs[1:]) and all(r["tok_s"] > 0 for r in runs)
     assert (tmp_path / "bench_spec_batch.json").exists()
+
+
+def test_cli_job_with_draft(tiny_gguf, tmp_path):
+    """`run.py --input ... --draft ngram`: the same results file as without --draft; --tree / auto K refused."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": i, "prompt": p, "max_tokens": 10}) + "\n"
+                           for i, p in enumerate(["abcabcabc", "hello there", "x y x y x y"])))
+
+    def job(out, *extra):
+        return subprocess.run([sys.executable, os.path.join(root, "run.py"), "--model", tiny_gguf, "--input",
+                               str(inp), "--output", str(tmp_path / out), "--batch-size", "2", "--token-ids",
+                               "--ordered", *extra], capture_output=True, text=True, timeout=600, cwd=root,
+                              env=dict(os.environ, LUCEBOX_CHECKPOINTS=str(tmp_path / "ckpt")))
+
+    r = job("plain.jsonl")
+    assert r.returncode == 0, r.stderr
+    r = job("spec.jsonl", "--draft", "ngram", "--num-draft", "3")
+    assert r.returncode == 0, r.stderr
+    assert "speculative" in r.stderr and "mean accepted" in r.stderr
+    assert (tmp_path / "spec.jsonl").read_text() == (tmp_path / "plain.jsonl").read_text()
+    for extra in (["--tree", "8"], ["--num-draft", "auto"]):
+        r = job("bad.jsonl", "--draft", "ngram", *extra)
+        assert r.returncode == 2 and "fixed --num-draft K and no --tree" in r.stderr, r.stderr
+    assert not (tmp_path / "bad.jsonl").exists()
