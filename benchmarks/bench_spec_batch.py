@@ -10,7 +10,8 @@ For each slot count S: N = --per-slot x S chat requests (a fixed set of prompts 
 prompts, greedy, up to --max-tokens each, stopping at EOS) run through `Scheduler` (what `run.py --input` uses):
 plain, then with each drafter under the default policy (`spec_batch.BatchSpec`: no speculation above 32 slots, a
 slot stops speculating below its break-even acceptance), and, where the default policy turns speculation off
-(S > 32), also forced on (`max_slots = S`) to show what it would cost. Every configuration runs twice; the second
+(S > 32), also forced on (`max_slots = S`) to show what it would cost; `--always` adds a run with every slot
+speculating throughout (no slot limit, no acceptance floor). Every configuration runs twice; the second
 run is timed (compile excluded). Greedy outputs are compared with the plain run per request (on bfloat16 the
 verify can round differently from the decode step, so a few may differ; see README).
 
@@ -139,6 +140,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=None, help="steps per scheduler call (default 8 CPU / 16 GPU)")
     p.add_argument("--dtype", default=None, help="compute dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     p.add_argument("--min-accept", type=float, default=None, help="per-slot acceptance floor (default: break-even)")
+    p.add_argument("--always", action="store_true", help="also run each drafter with every slot speculating "
+                   "throughout (no slot limit, no acceptance floor): the raw cost or gain of speculation")
     p.add_argument("--tiny", action="store_true", help="CPU smoke configuration (random weights)")
     p.add_argument("--budget", type=float, default=220.0)
     args = p.parse_args(argv)
@@ -167,13 +170,17 @@ def main(argv=None):
         rows.append(rec)
         log(f"S={slots} plain: {rec['tok_s']:.1f} tok/s ({n_tok} tokens, {base_s:.2f} s, compile {base_c:.1f} s)")
         for name, d in drafters.items():
-            policies = [("default", None)] + ([("forced", slots)] if slots > DEFAULT_MAX_SLOTS else [])
-            for policy, max_slots in policies:
+            policies = [("default", None, args.min_accept)]
+            if slots > DEFAULT_MAX_SLOTS:
+                policies.append(("forced", slots, args.min_accept))
+            if args.always:
+                policies.append(("always", slots, 0.0))
+            for policy, max_slots, floor in policies:
                 if time.time() - T0 > args.budget:
                     RESULTS["skipped"].append(f"S={slots} {name} {policy}")
                     log(f"skip S={slots} {name} {policy}: budget")
                     continue
-                spec = BatchSpec(d, args.k, max_slots=max_slots, min_accept=args.min_accept)
+                spec = BatchSpec(d, args.k, max_slots=max_slots, min_accept=floor)
                 got, s, c, st = run_job(eng, ids, slots, steps, max_tokens, stops, spec)
                 same = sum(a == b for a, b in zip(got, base))
                 m = sum(map(len, got))

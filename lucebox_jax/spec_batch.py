@@ -133,7 +133,8 @@ def insert_spec_rows(rows: SpecRows, dstate, slots, prev, on):
 def spec_decode_chunk(cfg, kernels, drafter, weights, dparams, state, retire, exit_after, min_accept, warmup,
                       n_steps: int, k: int):
     """Up to n_steps draft + verify steps of every slot (`scheduler.decode_chunk`'s contract: `retire` marks slots
-    done first; leaves early when all are done or `exit_after` finished). -> (state, tokens [B, n_steps * (K + 1)])."""
+    done first; leaves early when all are done, when `exit_after` finished, or when no live slot speculates any more).
+    -> (state, tokens [B, n_steps * (K + 1)])."""
     b = state.tokens.shape[0]
     state = state.replace(done=state.done | retire)
     done0, count0 = state.done, state.count
@@ -145,7 +146,8 @@ def spec_decode_chunk(cfg, kernels, drafter, weights, dparams, state, retire, ex
     def cond(c):
         i, st, _ = c
         newly = jnp.sum((st.done & ~done0).astype(jnp.int32))
-        return (i < n_steps) & ~jnp.all(st.done) & (newly < exit_after)
+        speculating = (i == 0) | jnp.any(st.spec.on & ~st.done)  # else back to the host, which decodes plainly
+        return (i < n_steps) & ~jnp.all(st.done) & (newly < exit_after) & speculating
 
     def body(c):
         i, st, buf = c
