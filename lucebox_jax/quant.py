@@ -19,6 +19,8 @@ Scales are float16 where every scale of the tensor is a float16 value, else floa
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -208,6 +210,14 @@ def concat_n(ws: list):
                        mins=mins, group_size=g)
 
 
+# XLA's CPU dot takes a matrix-vector path for a single row and a matrix-matrix path for more, and the two round
+# differently (float32: most outputs differ in the last bit; bfloat16: about 1 in 10^4 after rounding). A batch-1
+# decode step and a speculative verify (K + 1 rows) then disagree, and in bfloat16 greedy tokens flip. With
+# LUCEBOX_ROW_INVARIANT=1 (read at import) a single row is computed as two, so a row's result does not depend on how
+# many rows share the call; it costs about a third of the CPU decode speed, hence off by default.
+ROW_INVARIANT = os.environ.get("LUCEBOX_ROW_INVARIANT", "0") == "1"
+
+
 def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     """The one matmul dispatch point: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
 
@@ -219,6 +229,9 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
 
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
+    one_row = ROW_INVARIANT and x2.shape[0] == 1 and jax.default_backend() == "cpu"
+    if one_row:  # computed as two rows: see ROW_INVARIANT
+        x2 = jnp.concatenate([x2, x2])
     if isinstance(w, QuantArray):
         fn = ops.get("qmatmul", kernels.qmatmul if kernels is not None else None)
         y = fn(x2, w)
@@ -230,6 +243,7 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
         y = w.apply_linear(x2, kernels)
     else:
         y = jnp.dot(x2, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    y = y[:1] if one_row else y
     y = y.reshape(*lead, y.shape[-1])
     if bias is not None:
         y = y + bias.astype(y.dtype)
