@@ -16,6 +16,9 @@ sampling parameters (`RowParams` rows), generated-token count, token budget, sto
 
 Sampling is per row and seeded per (seed, position) as in `sampling.py`, so a request's output does not depend on
 which slot it ran in or what else was in the batch.
+
+With `spec=` (a `spec_batch.BatchSpec`) step 2 drafts and verifies K tokens per slot (`spec_batch.spec_decode_chunk`)
+while any live slot still speculates, and step 1 also prefills each new request's drafter state into its slot.
 """
 
 from __future__ import annotations
