@@ -9,8 +9,9 @@ drafter, on the same requests; output tok/s, acceptance and whether the greedy o
 For each slot count S: N = --per-slot x S chat requests (a fixed set of prompts outside the draft head's training
 prompts, greedy, up to --max-tokens each, stopping at EOS) run through `Scheduler` (what `run.py --input` uses):
 plain, then with each drafter under the default policy (`spec_batch.BatchSpec`: no speculation above 32 slots, a
-slot stops speculating below its break-even acceptance), and, where the default policy turns speculation off
-(S > 32), also forced on (`max_slots = S`) to show what it would cost; `--always` adds a run with every slot
+slot stops speculating below its break-even acceptance; above 32 slots that is the plain run, recorded without
+running it again), and, where the default policy turns speculation off (S > 32), also forced on (`max_slots = S`)
+to show what it would cost; `--always` adds a run with every slot
 speculating throughout (no slot limit, no acceptance floor). Every configuration runs twice; the second
 run is timed (compile excluded). Greedy outputs are compared with the plain run per request (on bfloat16 the
 verify can round differently from the decode step, so a few may differ; see README).
@@ -59,6 +60,11 @@ def chat_requests(n: int) -> list[str]:
 
 def log(*a):
     print(*a, flush=True)
+
+
+def save(out_dir):
+    with open(os.path.join(out_dir, "bench_spec_batch.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1, default=str)
 
 
 def setup(args):
@@ -164,10 +170,11 @@ def main(argv=None):
         ids = make_prompts(args.per_slot * slots)
         base, base_s, base_c, _ = run_job(eng, ids, slots, steps, max_tokens, stops)
         n_tok = sum(map(len, base))
-        rec = {"slots": slots, "drafter": "plain", "policy": "-", "tok_s": n_tok / base_s, "seconds": base_s,
-               "completion_tokens": n_tok, "compile_s": base_c, "requests": len(ids)}
+        rec = base_rec = {"slots": slots, "drafter": "plain", "policy": "-", "tok_s": n_tok / base_s,
+                          "seconds": base_s, "completion_tokens": n_tok, "compile_s": base_c, "requests": len(ids)}
         RESULTS["runs"].append(rec)
         rows.append(rec)
+        save(out_dir)
         log(f"S={slots} plain: {rec['tok_s']:.1f} tok/s ({n_tok} tokens, {base_s:.2f} s, compile {base_c:.1f} s)")
         for name, d in drafters.items():
             policies = [("default", None, args.min_accept)]
@@ -176,6 +183,12 @@ def main(argv=None):
             if args.always:
                 policies.append(("always", slots, 0.0))
             for policy, max_slots, floor in policies:
+                if policy == "default" and slots > DEFAULT_MAX_SLOTS:  # the policy turns speculation off: plain
+                    rec = {**base_rec, "drafter": name, "policy": "default", "speedup": 1.0,
+                           "greedy_equal": len(ids), "spec": {"off": f"{slots} slots > {DEFAULT_MAX_SLOTS}"}}
+                    RESULTS["runs"].append(rec)
+                    rows.append(rec)
+                    continue
                 if time.time() - T0 > args.budget:
                     RESULTS["skipped"].append(f"S={slots} {name} {policy}")
                     log(f"skip S={slots} {name} {policy}: budget")
@@ -189,14 +202,13 @@ def main(argv=None):
                        "speedup": (m / s) / (n_tok / base_s), "greedy_equal": same, "spec": st}
                 RESULTS["runs"].append(rec)
                 rows.append(rec)
-                acc = st.get("mean_accepted") if st and "mean_accepted" in st else None
+                st = st or {}
+                acc = st.get("mean_accepted")
                 log(f"S={slots} {name} ({policy}): {rec['tok_s']:.1f} tok/s, x{rec['speedup']:.2f}, equal "
                     f"{same}/{len(ids)}, accepted/step {acc if acc is None else round(acc, 2)}, "
-                    f"{st.get('spec_calls', 0) if st else 0} spec / {st.get('plain_calls', 0) if st else 0} plain calls")
-                with open(os.path.join(out_dir, "bench_spec_batch.json"), "w") as f:
-                    json.dump(RESULTS, f, indent=1, default=str)
-    with open(os.path.join(out_dir, "bench_spec_batch.json"), "w") as f:
-        json.dump(RESULTS, f, indent=1, default=str)
+                    f"{st.get('spec_calls', 0)} spec / {st.get('plain_calls', 0)} plain calls")
+                save(out_dir)
+    save(out_dir)
     log(f"\n{RESULTS['device']}, {RESULTS['config']}\n")
     log("| slots | drafter | policy | tok/s | vs plain | greedy equal | accepted/step | spec / plain calls |")
     log("| --- | --- | --- | --- | --- | --- | --- | --- |")
