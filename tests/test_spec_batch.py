@@ -199,3 +199,13 @@ def test_cli_job_with_draft(tiny_gguf, tmp_path):
         r = job("bad.jsonl", "--draft", "ngram", *extra)
         assert r.returncode == 2 and "fixed --num-draft K and no --tree" in r.stderr, r.stderr
     assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_draft_model_in_the_scheduler(tiny_llm, tiny_gguf, case):
+    """A separate draft model (here the target's own GGUF: every draft right) keeps its own cache per slot."""
+    prompts, maxes, plain = case
+    spec = BatchSpec(build(tiny_gguf, tiny_llm.engine), 3, min_accept=0.0)
+    got, sched = _run(tiny_llm, _requests(tiny_llm, prompts, maxes), 2, spec)
+    assert got == plain
+    st = sched.spec_stats()
+    assert st["mean_accepted"] > 2.5  # identical model: nearly all of K = 3 accepted (budgets cut the rest)
