@@ -302,7 +302,8 @@ class Scheduler:
         return np.asarray(buf)
 
     def spec_stats(self) -> dict | None:
-        """Acceptance over the run (spec_batch.BatchSpec.stats), or None without speculation."""
+        """Acceptance over the run (spec_batch.BatchSpec.stats); None without a drafter, {"off": why} when the slot
+        limit turned speculation off."""
         if self.spec is None:
             return {"off": self.spec_note} if self.spec_note else None
         st = self.spec.stats(self.state.spec if self.state is not None else None)
