@@ -70,9 +70,13 @@ def llm(model_path):
 
 @pytest.fixture(scope="module")
 def server(model_path):
+    yield from _serve(model_path)
+
+
+def _serve(model_path, *extra):
     port = _free_port()
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--api-key", KEY, "--served-model-name",
-           MODEL, "--batch-size", str(SLOTS), "--max-body-kb", "64", "--model", model_path, "--no-checkpoint"]
+           MODEL, "--batch-size", str(SLOTS), "--max-body-kb", "64", "--model", model_path, "--no-checkpoint", *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
@@ -361,6 +365,24 @@ def test_full_queue_answers_429(llm):
 def test_serve_flags_fail_before_loading():
     from lucebox_jax.cli import main
 
-    assert main(["--serve", "--draft", "ngram"]) == 2
+    assert main(["--serve", "--draft", "ngram", "--tree", "8"]) == 2
+    assert main(["--serve", "--draft", "ngram", "--num-draft", "auto"]) == 2
     assert main(["--serve", "--port", "70000"]) == 2
     assert main(["--serve", "--batch-size", "0"]) == 2
+
+
+def test_speculating_server_answers_like_plain_greedy(model_path, llm):
+    """`--draft ngram`: each slot drafts and verifies inside the continuous batch; greedy answers of concurrent
+    requests equal plain `LLM.generate`."""
+    prompts = ["one two three one two three one two", "The three primary colors are", "a b a b a b a b"]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = [o.outputs[0].text for o in llm.generate(prompts, sp)]
+    for port in _serve(model_path, "--draft", "ngram", "--num-draft", "3"):
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0, timeout=120)
+        with concurrent.futures.ThreadPoolExecutor(3) as ex:
+            got = list(ex.map(lambda p: c.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0,
+                                                             extra_body={"ignore_eos": True}).choices[0].text,
+                              prompts))
+        assert got == want
+        st = _raw(port, "GET", "/health")[2]["speculative"]
+        assert st["drafter"].startswith("ngram") and st["row_steps"] > 0 and st["mean_accepted"] > 0

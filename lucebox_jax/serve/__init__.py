@@ -48,9 +48,9 @@ def run_serve_from_args(args) -> int:
     for flag in ("input", "output", "prompt"):
         if getattr(args, flag, None) is not None:
             raise JobError(f"--serve and --{flag} are mutually exclusive")
-    if args.draft is not None:
-        raise JobError("--draft is not supported with --serve yet: the continuous-batching scheduler decodes "
-                       "without speculation")
+    if args.draft is not None and (getattr(args, "tree", None) is not None
+                                   or str(getattr(args, "num_draft", 4)).strip().lower() == "auto"):
+        raise JobError("--serve speculates with a fixed --num-draft K and no --tree (as batch jobs do)")
     if not 0 <= args.port <= 65535:
         raise JobError(f"--port must be in 0..65535, got {args.port}")
     for flag, lo in (("batch_size", 1), ("steps_per_call", 1), ("max_queue", 1), ("max_body_kb", 1),
@@ -76,12 +76,17 @@ def run_serve_from_args(args) -> int:
     ctx = args.max_context or (4096 if gpu else 2048)
     print(f"loading {name} ...", file=sys.stderr, flush=True)
     llm = LLM(args.model, kernels=args.kernels, max_context=ctx, use_checkpoint=not args.no_checkpoint,
-              tensor_parallel=args.tensor_parallel)
+              tensor_parallel=args.tensor_parallel, draft=args.draft, num_draft=args.num_draft)
     slots, ctx = default_shape(llm.engine, args.batch_size, llm.config.max_context)
+    spec = None
+    if llm.spec is not None:  # speculation per slot inside the continuous batch (spec_batch.py), as batch jobs do
+        from ..spec_batch import BatchSpec
+
+        spec = BatchSpec.from_decoder(llm.spec, max_slots=getattr(args, "spec_max_slots", None))
     steps = args.steps_per_call or (16 if gpu else 8)
     # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
     sys.setswitchinterval(5e-4)
-    engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue)
+    engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue, spec=spec)
     if (args.warmup or ("full" if gpu else "basic")) == "full":
         print(f"compiling the serving shapes (prompts up to {ctx - 1} tokens; --warmup basic skips this) ...",
               file=sys.stderr, flush=True)

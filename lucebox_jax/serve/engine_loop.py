@@ -94,7 +94,7 @@ class EngineLoop:
     """Owns `llm` and one `Scheduler` of `slots` x `max_len`; `start()` runs the device thread."""
 
     def __init__(self, llm, slots: int, max_len: int, steps_per_call: int, max_queue: int = 256,
-                 max_prefill_batch: int = 8):
+                 max_prefill_batch: int = 8, spec=None):
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.slots = slots
@@ -104,10 +104,11 @@ class EngineLoop:
         self._live: set[Job] = set()
         # requests are checked against max_len; the cache is rounded up to whole 64-token blocks (as jobs.py does)
         self._sched_kw = dict(slots=slots, max_len=-(-max_len // 64) * 64, steps_per_call=steps_per_call,
-                              max_prefill_batch=min(max_prefill_batch, slots))
+                              max_prefill_batch=min(max_prefill_batch, slots), spec=spec)  # spec: spec_batch
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, name="lucebox-device", daemon=True)
         self.stats = collections.Counter()
+        self.spec_stats: dict | None = None  # speculation's acceptance so far (device thread's snapshot)
 
     # ------------------------------------------------------------------ handler side
     def make_job(self, ids: list[int], params: SamplingParams, max_new: int, sink, stream: bool,
@@ -133,7 +134,8 @@ class EngineLoop:
         eng = self.llm.engine
         return {"running": len(self._live), "waiting": self.inbox.qsize() + len(self._held), "slots": self.slots,
                 "started": self.stats["requests"], "cancelled": self.stats["cancelled"],
-                "compiled_shapes": len(eng._seen_shapes), "compile_seconds": round(eng.compile_seconds, 2)}
+                "compiled_shapes": len(eng._seen_shapes), "compile_seconds": round(eng.compile_seconds, 2),
+                **({"speculative": self.spec_stats} if self.spec_stats else {})}
 
     @property
     def alive(self) -> bool:
@@ -148,6 +150,8 @@ class EngineLoop:
                 for finished in sched.run(self._feed()):
                     for f in finished:
                         self._done(f)
+                    if sched.spec is not None:  # a host snapshot: the HTTP thread must not read donated buffers
+                        self.spec_stats = sched.spec_stats()
                 return
             except Exception as e:  # noqa: BLE001 - a device error fails the requests in flight, not the server
                 log.exception("device loop failed; failing %d requests in flight and starting afresh", len(self._live))
