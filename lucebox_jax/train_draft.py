@@ -293,7 +293,8 @@ def build_parser():
     p.add_argument("--gen-len", type=int, default=224, help="tokens the target writes per prompt")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--gen-batch", type=int, default=128)
-    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--steps", type=int, default=40000,
+                   help="training steps at most (default 40000: --time-budget usually ends it first)")
     p.add_argument("--batch", type=int, default=16, help="sequences per training step")
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--unroll", type=int, default=4,
