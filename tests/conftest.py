@@ -9,6 +9,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("LUCEBOX_JAX_CACHE", os.path.join(os.path.dirname(os.path.dirname(__file__)), ".jax_cache"))
+# The pytest process keeps its compiled programs in memory only; the CLI, server and job subprocesses still share the
+# persistent cache above. Serialising every executable of the whole suite into it (min size 0) segfaulted inside
+# XLA's CPU `executable.serialize()` late in full runs (twice, both in test_train_draft; never in smaller runs).
+jax.config.update("jax_enable_compilation_cache", False)
 
 
 def pytest_collection_modifyitems(config, items):
