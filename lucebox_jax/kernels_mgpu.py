@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 
 import jax
@@ -24,7 +23,6 @@ import jax
 from . import ops
 from .quant import Int8Array, QuantArray
 
-log = logging.getLogger(__name__)
 INTERPRET = False  # tests set plgpu.InterpretGPUParams() to run the kernel in Mosaic GPU's interpreter on the CPU
 MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
 TUNED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels",
