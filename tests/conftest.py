@@ -58,3 +58,11 @@ def gemma():
     from lucebox_jax import LLM
 
     return LLM(model="gemma3-270m", max_context=2048)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _fresh_compiles_per_module():
+    """Each test module starts with jax's in-memory compile caches emptied: one pytest process holding every compiled
+    program of the whole suite crashed inside XLA's CPU compiler late in full runs (segfault, abort)."""
+    yield
+    jax.clear_caches()
