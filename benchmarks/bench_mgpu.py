@@ -69,6 +69,8 @@ def main():
     ap.add_argument("--ms", default="1,16,64")
     ap.add_argument("--cases", default="")
     ap.add_argument("--max-configs", type=int, default=0, help="time an even spread of at most this many")
+    ap.add_argument("--loads", default=",".join(mg.LOADS),
+                    help="load paths (MgpuConfig.loads) timed on the default and the tabled configuration")
     ap.add_argument("--write-tuned", action="store_true",
                     help="also write the table to pallas_kernels/mgpu_tuned.json (the engine's per-shape choice)")
     args = ap.parse_args()
@@ -85,6 +87,7 @@ def main():
                 continue
             sets = make_sets(k, n, g, bits, m)
             msets = [(x, mg.repack(w)) for x, w in sets]
+            psets = [(x, mg.repack(w, k_perm=True)) for x, w in sets] if mg.perm_ok(g, bits) else msets
             nbytes = sets[0][1].nbytes + m * k * 2 + m * n * 2
             row = {"case": label, "k": k, "n": n, "g": g, "bits": bits, "m": m, "bytes": nbytes, "configs": []}
             base_fn = kernels_xla.qmatmul_xla if bits == 4 else kernels_xla.qmatmul8_xla
@@ -100,16 +103,23 @@ def main():
             if args.max_configs and len(cands) > args.max_configs:
                 step = len(cands) / args.max_configs
                 cands = [cands[int(i * step)] for i in range(args.max_configs)]
-            first = mg.default_config(m, k, n, g, bits)  # what an untuned engine runs, and its per-group-wait twin
-            if first is not None:
-                cands = [first, dataclasses.replace(first, wait_each_group=True)] + [c for c in cands if c != first]
+            # each load path on what an untuned engine runs and on the table's configuration, then the sweep
+            loads = [ld for ld in args.loads.split(",") if ld != "perm" or mg.perm_ok(g, bits)]
+            first = [mg.default_config(m, k, n, g, bits)]
+            entry = km.tuned_table().get(km.tuned_key(km.m_bucket(m), k, n, g, bits))
+            if entry:
+                first.append(mg.MgpuConfig(**entry["cfg"]))
+            first = [dataclasses.replace(c, loads=ld) for c in first if c is not None for ld in loads]
+            first = list(dict.fromkeys(first))
+            cands = first + [c for c in cands if c not in first]
             for cfg in cands:
                 if time.time() - t0 > args.budget:
                     break
                 fn = lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)  # noqa: E731
+                run_sets = psets if cfg.loads == "perm" else msets
                 try:
-                    err = check(jax.jit(fn), sets[0][0], sets[0][1], msets[0][1])
-                    us = bk.time_sets(fn, msets, trials=3) * 1e6
+                    err = check(jax.jit(fn), sets[0][0], sets[0][1], run_sets[0][1])
+                    us = bk.time_sets(fn, run_sets, trials=3) * 1e6
                     row["configs"].append({"cfg": cfg.__dict__, "us": us, "err": err})
                     print(f"  {label} g{g} M={m} {cfg}: {us:.1f} us err {err:.1e}", flush=True)
                 except Exception as e:  # noqa: BLE001
@@ -124,12 +134,16 @@ def main():
                     "cfg": best["cfg"], "us": round(best["us"], 2), "pallas_us": p_us and round(p_us, 2),
                     "default": bool(p_us and best["us"] < p_us), "measured": time.strftime("%Y-%m-%d H200")}
             RES["rows"].append(row)
-            del sets, msets
+            del sets, msets, psets
             with open(os.path.join(OUT, "bench_mgpu.json"), "w") as f:
                 json.dump(RES, f, indent=1, default=str)
             for path in [os.path.join(OUT, "mgpu_tuned.json")] + ([km.TUNED] if args.write_tuned else []):
                 with open(path, "w") as f:
-                    json.dump(tuned, f, indent=1)
+                    about = (f"Per-shape Mosaic-GPU configurations for lucebox_jax/kernels_mgpu.py, keyed m<rows bucket>"
+                             f"_k_n_g_b<bits>: the best timed configuration per shape and Pallas-Triton's time in the "
+                             f"same call; default = mgpu measured faster. Written by benchmarks/bench_mgpu.py "
+                             f"{' '.join(sys.argv[1:])} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}.")
+                    json.dump({"_about": about, **tuned}, f, indent=1)
     print(f"\ncopy bandwidth {bw:.0f} GB/s")
     print("case g bits M | mgpu us GB/s %bw | pallas us | xla us | pallas/mgpu | best config")
     for r in RES["rows"]:
@@ -142,7 +156,8 @@ def main():
         c = b["cfg"]
         print(f"{r['case']} g{r['g']} {r['bits']} {r['m']} | {b['us']:.1f} {gbs:.0f} {100 * gbs / bw:.0f}% | "
               f"{p and round(p, 1)} | {x and round(x, 1)} | {p and round(p / b['us'], 2)} | "
-              f"tm{c['tile_m']} wg{c['compute_wgs']} gr{c['groups']} st{c['steps']} sk{c['split_k']} tt{c['tile_t']}")
+              f"tm{c['tile_m']} wg{c['compute_wgs']} gr{c['groups']} st{c['steps']} sk{c['split_k']} tt{c['tile_t']} "
+              f"{c.get('loads')}")
     for e in RES["errors"][:20]:
         print("ERR", e[:300])
 

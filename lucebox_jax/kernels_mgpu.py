@@ -86,7 +86,10 @@ def measured_faster(w) -> bool:
 def _repack(w):
     from pallas_kernels import mgpu_qmatmul as mg
 
-    return jax.jit(mg.repack)(w)
+    k, n = w.shape
+    g, bits = w.group_size, _bits(w)
+    k_perm = mg.perm_ok(g, bits) and config_for(1, k, n, g, bits).loads == "perm"
+    return jax.jit(functools.partial(mg.repack, k_perm=k_perm))(w)
 
 
 def prepare(w):

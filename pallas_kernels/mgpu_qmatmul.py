@@ -13,7 +13,8 @@ step is a clean TMA box:
   value    = scales * c + offsets
 
 Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and offsets,
-and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its [tile_m, g] codes into registers,
+and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its [tile_m, g] codes into registers
+(one of three paths, `LOADS`: the K-permuted `perm` layout lets 32-bit loads land codes where wgmma wants them),
 converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
 the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
 each, which keeps one group's registers live at a time). A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32
@@ -43,6 +44,15 @@ class MgpuConfig:
     compute_wgs: int = 2  # compute warpgroups per CTA, each owning tile_m rows
     lhs_smem: bool = False  # stage the dequantized tile in shared memory for wgmma (interpret mode needs this)
     wait_each_group: bool = False  # wgmma_wait after every group rather than once per pipeline step
+    loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
+
+
+# How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
+#   narrow  the WGMMA layout directly: 2 codes per shared-memory load (8 bits for int4), converted 2 at a time
+#   wide    Mosaic GPU's upcast layout: 8 int4 (4 int8) per 32-bit load, then warp shuffles into the WGMMA layout
+#   perm    int4 only: codes stored K-permuted within each 32 (`repack(k_perm=True)`) so that one 32-bit load gives
+#           a thread exactly the 8 codes the WGMMA layout wants from it: converted 8 at a time, no shuffles
+LOADS = ("narrow", "wide", "perm")
 
 
 @jax.tree_util.register_dataclass
@@ -55,6 +65,7 @@ class MgpuWeight:
     offsets: jax.Array | None
     group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
     bits: int = dataclasses.field(metadata=dict(static=True), default=4)
+    k_perm: bool = dataclasses.field(metadata=dict(static=True), default=False)  # codes stored in `perm_k` order
 
     prepared_by = "mgpu"  # the registered kernel that made it (lucebox_jax.quant.linear dispatches it there)
 
@@ -74,8 +85,29 @@ class MgpuWeight:
         return b + self.scales.size * (sb - 2) + (self.offsets.size * sb if self.offsets is not None else 0)
 
 
-def repack(w) -> MgpuWeight:
-    """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g]."""
+def perm_k(width: int) -> list[int]:
+    """The stored order of K within each 32 for `loads="perm"`: stored column 8q + e of a 32-chunk holds real column
+    8 (e // 2) + 2q + e % 2. Mosaic GPU's upcast layout gives lane q of a row the stored columns 8q..8q+7; its WGMMA
+    layout wants from lane q the real columns 2q, 2q+1 of each 8 (PTX wgmma register fragments)."""
+    one = [8 * (e // 2) + 2 * q + e % 2 for q in range(4) for e in range(8)]
+    return [32 * c + j for c in range(width // 32) for j in one]
+
+
+def perm_ok(g: int, bits: int) -> bool:
+    """`loads="perm"` needs int4 rows of at least 32 bytes (swizzled shared memory): groups of 64, 128, 256."""
+    return bits == 4 and g % 64 == 0 and g <= 256
+
+
+def unperm_k(a: jax.Array) -> jax.Array:
+    """Stored (`perm_k`) order -> real K order along the last axis (a multiple of 32)."""
+    *lead, g = a.shape
+    a = a.reshape(*lead, g // 32, 4, 4, 2)  # chunk, lane q, pair e // 2, e % 2
+    return jnp.swapaxes(a, -3, -2).reshape(*lead, g)
+
+
+def repack(w, k_perm: bool = False) -> MgpuWeight:
+    """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g];
+    `k_perm` (int4, `perm_ok`) stores each group's K in `perm_k` order for `loads="perm"`."""
     g = w.group_size
     offsets = None
     if isinstance(w, QuantArray):
@@ -91,13 +123,19 @@ def repack(w) -> MgpuWeight:
         offsets = offsets.astype(w.scales.dtype)
     k, n = q.shape
     codes = q.reshape(k // g, g, n).transpose(0, 2, 1)
+    if k_perm:
+        if not perm_ok(g, bits):
+            raise ValueError(f"k_perm needs int4 codes in groups of 64, 128 or 256, not {bits}-bit g{g}")
+        codes = codes[:, :, jnp.asarray(perm_k(g))]
     codes = codes.astype(jnp.int4) if bits == 4 else codes.astype(jnp.int8)
-    return MgpuWeight(codes=codes, scales=w.scales, offsets=offsets, group_size=g, bits=bits)
+    return MgpuWeight(codes=codes, scales=w.scales, offsets=offsets, group_size=g, bits=bits, k_perm=k_perm)
 
 
 def dequantize_mgpu(w: MgpuWeight, dtype=jnp.float32) -> jax.Array:
     """The repacked weight as a dense [K, N] array (plain jnp; the reference semantics)."""
     c = w.codes.astype(jnp.float32)  # [K/g, N, g]
+    if w.k_perm:
+        c = unperm_k(c)
     s = w.scales.astype(jnp.float32)[:, :, None]
     v = c * s
     if w.offsets is not None:
@@ -136,6 +174,36 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
     return None
 
 
+def load_mode(cfg: MgpuConfig, w: MgpuWeight) -> str:
+    """The load path that serves `w`: a K-permuted weight needs `perm`; `perm` asked of a plain one runs `wide`."""
+    if cfg.loads not in LOADS:
+        raise ValueError(f"MgpuConfig.loads {cfg.loads!r} is not one of {LOADS}")
+    if w.k_perm:
+        return "perm"
+    return "wide" if cfg.loads == "perm" else cfg.loads
+
+
+def _as_wgmma_layout(a: jax.Array) -> jax.Array:
+    """Relabels a [rows, 32j] array loaded in the upcast-4x layout as the WGMMA layout without moving data: with
+    codes stored in `perm_k` order, lane q's 8 values of a 32-chunk are the real columns lane q owns in the WGMMA
+    layout's four 8-column tiles, two each (its register for column tile 4c + i is slice 2i:2i+2 of chunk c's)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=plgpu.Layout.WGMMA))
+    def relabel(_, x):
+        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(a.shape), dtype=object)
+        for idx in np.ndindex(out.shape):
+            src = x.registers[(idx[0], idx[1] // 4, *idx[2:])]
+            out[idx] = mgpu_utils.vector_slice(src, slice(2 * (idx[1] % 4), 2 * (idx[1] % 4) + 2))
+        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return relabel(a)
+
+
 def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, num_sms: int = 132,
                 interpret: bool = False) -> jax.Array:
     """x [M, K] (bf16) @ w -> [M, N] in x.dtype, on a Hopper GPU (Mosaic GPU)."""
@@ -170,6 +238,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     out_bits = jnp.dtype(out_dtype).itemsize * 8
     out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
+    wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
+    loads = load_mode(cfg, w)
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 
@@ -230,12 +300,22 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     row_layout = plgpu.Layout.WGMMA.reduce(1)
                     for j in range(gps):
                         # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)
-                        wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
+                        if lhs_smem:  # interpret mode: plain loads, the stored K order undone in jnp
+                            wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
+                            wq = unperm_k(wq) if w.k_perm else wq
+                        elif loads == "narrow":
+                            wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
+                        elif loads == "wide":
+                            wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
+                            wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+                        else:
+                            wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                            wq = _as_wgmma_layout(wq.astype(jnp.bfloat16))
                         sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
-                        wv = wq * sc[:, None]
+                        wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
                         if asym:
                             off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
-                            wv = wv + off[:, None]
+                            wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
                         if lhs_smem:
                             a_smem[wg] = wv
                             plgpu.commit_smem()
@@ -262,7 +342,9 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         num_threads=wgs + 1,
         thread_name="wg",
         interpret=interpret,
-        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        # `perm` needs inline Mosaic GPU (lane semantics); the others keep the upstream kernel's warpgroup semantics
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane if loads == "perm"
+                                             and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tm, tt), out_dtype, transforms=out_tf),
                            **({"a_smem": plgpu.SMEM((wgs, tm, g), jnp.bfloat16, transforms=a_tf)} if lhs_smem else {})),
     )

@@ -110,3 +110,27 @@ def test_compiled_mgpu_matches_reference_on_hopper(m, k, n, g, bits, sym):
     y = np.asarray(jax.jit(op)(x, pw), np.float32)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("loads", mg.LOADS)
+@pytest.mark.parametrize("m,k,n,g,bits,sym", [(1, 4096, 28672, 128, 4, True), (16, 4096, 6144, 64, 4, False),
+                                              (1, 4096, 4096, 32, 4, False), (9, 4096, 128256, 32, 8, True)])
+def test_every_load_path_matches_reference_on_hopper(loads, m, k, n, g, bits, sym):
+    """Each way of bringing codes into wgmma's registers (`mg.LOADS`; `perm` on a K-permuted weight where the group
+    allows it, else the path it falls back to), compiled, against the float32 product."""
+    if kernels_mgpu.hopper_reason():
+        pytest.skip(kernels_mgpu.hopper_reason())
+    import dataclasses
+
+    from lucebox_jax.quant import quantize_int8
+
+    rng = np.random.default_rng(m + n + g)
+    wd = (rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32)
+    w = quantize_int4(wd, group_size=g, symmetric=sym) if bits == 4 else quantize_int8(wd, group_size=g)
+    pw = mg.repack(w, k_perm=loads == "perm" and mg.perm_ok(g, bits))
+    cfg = dataclasses.replace(mg.default_config(m, k, n, g, bits), loads=loads)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))(x, pw), np.float32)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2

@@ -74,3 +74,38 @@ def test_candidates_lower_for_h200(k, n, g, bits, m):
             txt = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)).trace(
                 sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in txt
+
+
+def test_k_permuted_repack_is_the_same_weight():
+    """`loads="perm"` stores each group's K in `perm_k` order; dequantization and the interpreted kernel undo it."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    assert sorted(mg.perm_k(128)) == list(range(128)) and mg.perm_k(64)[:8] == [0, 1, 8, 9, 16, 17, 24, 25]
+    rng = np.random.default_rng(7)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64, symmetric=True)
+    pw, plain = mg.repack(w, k_perm=True), mg.repack(w)
+    assert pw.k_perm and not np.array_equal(np.asarray(pw.codes, np.int8), np.asarray(plain.codes, np.int8))
+    np.testing.assert_array_equal(np.asarray(mg.dequantize_mgpu(pw)), np.asarray(mg.dequantize_mgpu(plain)))
+    x = jnp.asarray(rng.standard_normal((5, 256)), jnp.bfloat16)
+    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=1, split_k=2)
+    y = mg.mgpu_matmul(x, pw, cfg, interpret=plgpu.InterpretGPUParams())
+    assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
+    with pytest.raises(ValueError, match="k_perm needs int4"):
+        mg.repack(quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32), k_perm=True)
+
+
+@pytest.mark.parametrize("loads", mg.LOADS)
+def test_every_load_path_lowers_for_h200(loads):
+    """The three ways codes reach wgmma's registers (`mg.LOADS`) lower for an abstract H200 at 8B gate+up, g128."""
+    import dataclasses
+
+    sds = jax.ShapeDtypeStruct
+    k, n, g = 4096, 28672, 128
+    cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads=loads)
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16), offsets=None,
+                      group_size=g, bits=4, k_perm=loads == "perm")
+    assert mg.load_mode(cfg, w) == loads
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
