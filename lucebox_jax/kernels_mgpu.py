@@ -89,7 +89,14 @@ def _repack(w):
     k, n = w.shape
     g, bits = w.group_size, _bits(w)
     k_perm = mg.perm_ok(g, bits) and config_for(1, k, n, g, bits).loads == "perm"
-    return jax.jit(functools.partial(mg.repack, k_perm=k_perm))(w)
+    return _repack_jit()(w, k_perm=k_perm)
+
+
+@functools.lru_cache(maxsize=1)
+def _repack_jit():
+    from pallas_kernels import mgpu_qmatmul as mg
+
+    return jax.jit(mg.repack, static_argnames="k_perm")  # one jit: a weight shape compiles once, not per layer
 
 
 def prepare(w):

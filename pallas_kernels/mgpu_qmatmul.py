@@ -204,12 +204,40 @@ def _as_wgmma_layout(a: jax.Array) -> jax.Array:
     return relabel(a)
 
 
+def _same_kernel_same_name() -> None:
+    """jax 0.11.2 names every Pallas Mosaic-GPU kernel it lowers `kernel_<counter>` inside the module (the attribute
+    `mosaic_gpu.dump_basename`), so the 32 layers' identical kernels hash differently and each is compiled on its
+    own: the H200 took 150-160 s to compile an 8B decode step that used this kernel. Naming a module after its
+    contents, before jax's counter does, makes identical kernels identical modules (one hash, one compile). Only the
+    name of jax's debug dump files changes."""
+    import hashlib
+
+    import jax.experimental.mosaic.gpu as mgpu
+    from jax._src.lib.mlir import ir
+
+    dialect = mgpu.dialect
+    original = getattr(dialect, "get_or_set_dump_options", None)
+    if original is None or getattr(original, "_lucebox", False):
+        return
+
+    def named(module):
+        attrs = module.operation.attributes
+        if "mosaic_gpu.dump_basename" not in attrs:
+            digest = hashlib.sha256(str(module).encode()).hexdigest()[:16]
+            attrs["mosaic_gpu.dump_basename"] = ir.StringAttr.get(f"mosaic_gpu_{digest}", module.context)
+        return original(module)
+
+    named._lucebox = True
+    dialect.get_or_set_dump_options = named
+
+
 def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, num_sms: int = 132,
                 interpret: bool = False) -> jax.Array:
     """x [M, K] (bf16) @ w -> [M, N] in x.dtype, on a Hopper GPU (Mosaic GPU)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    _same_kernel_same_name()
     m, k = x.shape
     k2, n = w.shape
     if k != k2:
