@@ -328,11 +328,9 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     row_layout = plgpu.Layout.WGMMA.reduce(1)
                     for j in range(gps):
                         # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)
-                        if lhs_smem:  # interpret mode: plain loads, the stored K order undone in jnp
+                        if lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
                             wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
                             wq = unperm_k(wq) if w.k_perm else wq
-                        elif loads == "narrow":
-                            wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
                         elif loads == "wide":
                             wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
                             wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
