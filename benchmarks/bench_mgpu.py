@@ -79,6 +79,7 @@ def main():
     RES["copy_GBps"] = bw
     ms = [int(v) for v in args.ms.split(",")]
     tuned = {}
+    kept = dict(km.tuned_table())  # read before this run writes the engine's table
     cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
     for m in ms:
         for label, k, n, g, bits in cases:
@@ -137,13 +138,16 @@ def main():
             del sets, msets, psets
             with open(os.path.join(OUT, "bench_mgpu.json"), "w") as f:
                 json.dump(RES, f, indent=1, default=str)
-            for path in [os.path.join(OUT, "mgpu_tuned.json")] + ([km.TUNED] if args.write_tuned else []):
-                with open(path, "w") as f:
-                    about = (f"Per-shape Mosaic-GPU configurations for lucebox_jax/kernels_mgpu.py, keyed m<rows bucket>"
-                             f"_k_n_g_b<bits>: the best timed configuration per shape and Pallas-Triton's time in the "
-                             f"same call; default = mgpu measured faster. Written by benchmarks/bench_mgpu.py "
-                             f"{' '.join(sys.argv[1:])} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}.")
-                    json.dump({"_about": about, **tuned}, f, indent=1)
+            about = (f"Per-shape Mosaic-GPU configurations for lucebox_jax/kernels_mgpu.py, keyed m<rows bucket>"
+                     f"_k_n_g_b<bits>: the best timed configuration per shape and Pallas-Triton's time in the same "
+                     f"call; default = mgpu measured faster. Written by benchmarks/bench_mgpu.py "
+                     f"{' '.join(sys.argv[1:])} on {jax.devices()[0].device_kind}, {time.strftime('%Y-%m-%d')}; "
+                     f"entries with an older `measured` were kept from earlier runs (shapes this one did not time).")
+            with open(os.path.join(OUT, "mgpu_tuned.json"), "w") as f:
+                json.dump({"_about": about, **tuned}, f, indent=1)
+            if args.write_tuned and tuned:  # the engine's table: this run's shapes replace theirs, the others stay
+                with open(km.TUNED, "w") as f:
+                    json.dump({"_about": about, **{**kept, **tuned}}, f, indent=1)
     print(f"\ncopy bandwidth {bw:.0f} GB/s")
     print("case g bits M | mgpu us GB/s %bw | pallas us | xla us | pallas/mgpu | best config")
     for r in RES["rows"]:
