@@ -175,8 +175,10 @@ def bench_server_level(a, n, out_dir, deadline):
         t_warm = time.perf_counter() - t0
         before = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
         reqs, wall = asyncio.run(run_clients(port, prompts, a.new_tokens))
-        after = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
+        since = before.get("latency_ms", {}).get("finished", 0)
+        after = httpx.get(f"http://127.0.0.1:{port}/health?latency_since={since}", timeout=5).json()
         row = summarize(reqs, wall)
+        row["server_latency_ms"] = after.get("latency_ms")  # the server's split of TTFT: inbox, then to first token
         # a compile inside the measured run is a multi-second stall for every stream: count them
         row["compiles_during_run"] = after.get("compiled_shapes", 0) - before.get("compiled_shapes", 0)
         row["compile_s_during_run"] = round(after.get("compile_seconds", 0) - before.get("compile_seconds", 0), 2)

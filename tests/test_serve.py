@@ -135,6 +135,12 @@ def _stream_text(stream, kind="chat"):
 # ---------------------------------------------------------------------------------------------------- routes, auth
 def test_health_models_and_api_key(server, client):
     assert _raw(server, "GET", "/health", headers={"Authorization": None})[0] == 200
+    before = _raw(server, "GET", "/health")[2]["latency_ms"]["finished"]
+    client.completions.create(model=MODEL, prompt="hi", max_tokens=3, temperature=0)
+    lat = _raw(server, "GET", f"/health?latency_since={before}")[2]["latency_ms"]  # where time to first token went
+    assert lat["finished"] == before + 1 and lat["requests"] == 1
+    assert 0 <= lat["inbox_p50"] <= lat["inbox_p99"] and 0 < lat["taken_to_first_token_p50"] < 60_000
+    assert _raw(server, "GET", "/health?latency_since=x")[0] == 400
     assert [m.id for m in client.models.list().data] == [MODEL]
     for auth in (None, "Bearer wrong", f"Basic {KEY}"):
         for method, path in (("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):

@@ -207,7 +207,11 @@ def create_app(engine: EngineLoop, cfg: ServerConfig) -> Starlette:
     async def health(request: Request):
         if not engine.alive:
             return JSONResponse({"status": "error", "detail": "the device loop stopped"}, status_code=503)
-        return JSONResponse({"status": "ok", **engine.load()})
+        try:
+            since = int(request.query_params.get("latency_since", 0))
+        except ValueError:
+            raise P.APIError(400, "latency_since must be an integer", "latency_since", "invalid_value") from None
+        return JSONResponse({"status": "ok", **engine.load(since)})
 
     async def api_error(request: Request, exc: P.APIError):
         return error_response(exc)

@@ -19,7 +19,10 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from typing import Callable
+
+import numpy as np
 
 from ..llm import Request, find_stop
 from ..sampling import SamplingParams
@@ -52,6 +55,10 @@ class Job:
     _sent: int = 0
     _dec: StreamDecoder | None = None
     _finished: bool = False
+    # perf_counter times for /health's latency split: queued by the handler, taken by the scheduler, first token
+    t_submit: float = 0.0
+    t_taken: float = 0.0
+    t_first: float = 0.0
 
     @property
     def wants_logprobs(self) -> bool:
@@ -65,6 +72,7 @@ class Job:
         stop string appeared)."""
         if self.cancelled:
             return True
+        self.t_first = self.t_first or time.perf_counter()  # the first call follows the prefill's token
         stops = self.params.stop
         if not (self.stream or stops):
             return False  # nothing to show or check before the end
@@ -108,6 +116,8 @@ class EngineLoop:
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, name="lucebox-device", daemon=True)
         self.stats = collections.Counter()
+        # (finished count, seconds in the inbox, seconds from taken to first token) of the last finished requests
+        self._latency: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=4096)
         self.spec_stats: dict | None = None  # speculation's acceptance so far (device thread's snapshot)
 
     # ------------------------------------------------------------------ handler side
@@ -117,6 +127,7 @@ class EngineLoop:
                    sink=sink, stream=stream, prompt=prompt)
 
     def submit(self, job: Job):
+        job.t_submit = time.perf_counter()
         try:
             self.inbox.put_nowait(job)
         except queue.Full:
@@ -129,13 +140,29 @@ class EngineLoop:
         self._stop.set()
         self.thread.join(timeout)
 
-    def load(self) -> dict:
-        """Requests running (in the batch or its prefill queue), waiting in the inbox, and counters."""
+    def load(self, latency_since: int = 0) -> dict:
+        """Requests running (in the batch or its prefill queue), waiting in the inbox, and counters; the latency split
+        covers requests finished after the `latency_since`-th (a benchmark passes the count it read before its run)."""
         eng = self.llm.engine
         return {"running": len(self._live), "waiting": self.inbox.qsize() + len(self._held), "slots": self.slots,
                 "started": self.stats["requests"], "cancelled": self.stats["cancelled"],
                 "compiled_shapes": len(eng._seen_shapes), "compile_seconds": round(eng.compile_seconds, 2),
+                "latency_ms": self._latency_summary(latency_since),
                 **({"speculative": self.spec_stats} if self.spec_stats else {})}
+
+    def _latency_summary(self, since: int = 0) -> dict:
+        """Over finished requests after the `since`-th (the last 4,096 at most): time in the inbox until the scheduler
+        took the request, and from then to its first token (waiting for a free slot or the running decode call, then
+        prefill). `finished` counts every request timed so far."""
+        got = [g[1:] for g in list(self._latency) if g[0] > since]
+        out = {"finished": self.stats["timed"], "requests": len(got)}
+        if not got:
+            return out
+        for i, name in enumerate(("inbox", "taken_to_first_token")):
+            v = np.sort([g[i] for g in got]) * 1e3
+            out[f"{name}_p50"] = round(float(v[len(v) // 2]), 2)
+            out[f"{name}_p99"] = round(float(v[min(len(v) - 1, int(len(v) * 0.99))]), 2)
+        return out
 
     @property
     def alive(self) -> bool:
@@ -182,11 +209,16 @@ class EngineLoop:
                 continue
             self._live.add(job)
             self.stats["requests"] += 1
+            job.t_taken = time.perf_counter()
             yield SlotRequest(key=job, ids=job.ids, params=job.params, stop_ids=job.stop_ids, max_new=job.max_new)
 
     def _done(self, f: Finished):
         job: Job = f.request.key
         self._live.discard(job)
+        if job.t_submit and job.t_taken:
+            first = job.t_first or time.perf_counter()
+            self.stats["timed"] += 1
+            self._latency.append((self.stats["timed"], job.t_taken - job.t_submit, first - job.t_taken))
         if job.cancelled:
             if f.finish_reason == "check":  # retired early by the hook, not run to its end
                 self.stats["cancelled"] += 1
