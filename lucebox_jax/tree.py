@@ -37,7 +37,37 @@ def ancestors(parent, depth: int):
 
 def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
     """Walk the tree. logits [B, 1 + N, V] (float32, penalties applied), tokens/parent/depths [B, N].
-    -> (n accepted [B], path [B, depth] window indices (0 past n), next token [B])."""
+    -> (n accepted [B], path [B, depth] window indices (0 past n), next token [B]).
+    An all-greedy batch takes `_walk_greedy` (a few [B, width] ops per depth); with any sampled row the whole batch
+    takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every node."""
+    args = (logits, tokens, parent, depths, rp, keys, pos0, width, depth)
+    return jax.lax.cond(jnp.any(rp.temperature > 0), lambda: _walk(*args), lambda: _walk_greedy(*args))
+
+
+def _walk_greedy(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
+    """`_walk` for greedy rows: at each depth the first child (in window order) of the current node whose token is
+    the target's argmax there."""
+    b = logits.shape[0]
+    rows = jnp.arange(b)
+    arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + N]
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    n = jnp.zeros((b,), jnp.int32)
+    path = []
+    for d in range(1, depth + 1):
+        lo = (d - 1) * width
+        ok = (alive[:, None] & (parent[:, lo:lo + width] == cur[:, None])
+              & (tokens[:, lo:lo + width] == arg[rows, cur][:, None]))  # [B, width]
+        found = ok.any(axis=1)
+        nxt_cur = 1 + lo + jnp.argmax(ok, axis=1).astype(jnp.int32)
+        cur = jnp.where(found, nxt_cur, cur)
+        path.append(jnp.where(found, nxt_cur, 0))
+        n = n + found.astype(jnp.int32)
+        alive = alive & found
+    return n, jnp.stack(path, axis=1), arg[rows, cur]
+
+
+def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
     b = logits.shape[0]
     rows = jnp.arange(b)
     arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + N]
