@@ -139,12 +139,14 @@ def tree_verify(cfg, kernels, weights, cache: KVCache, tok, tokens, parent, dept
     logits, cache = out[0], out[1]
     raw = logits
     if seen is not None:  # repetition penalty: node i has also seen its ancestors (and itself)
-        seen_i = seen[:, None, :] | (jnp.einsum("bij,bjv->biv", (anc & (jnp.arange(win.shape[1]) > 0)[None, None])
-                                                .astype(jnp.float32),
-                                                jax.nn.one_hot(win, logits.shape[-1], dtype=jnp.float32)) > 0)
-        pen = rp.rep_penalty[:, None, None]
-        logits = jax.lax.cond(jnp.any(rp.rep_penalty != 1.0), lambda x: jnp.where(
-            seen_i, jnp.where(x > 0, x / pen, x * pen), x), lambda x: x, logits)
+        def penalize(x):  # only built when some row has a penalty
+            seen_i = seen[:, None, :] | (jnp.einsum("bij,bjv->biv", (anc & (jnp.arange(win.shape[1]) > 0)[None, None])
+                                                    .astype(jnp.float32),
+                                                    jax.nn.one_hot(win, x.shape[-1], dtype=jnp.float32)) > 0)
+            pen = rp.rep_penalty[:, None, None]
+            return jnp.where(seen_i, jnp.where(x > 0, x / pen, x * pen), x)
+
+        logits = jax.lax.cond(jnp.any(rp.rep_penalty != 1.0), penalize, lambda x: x, logits)
     n, path, nxt = tree_accept(logits, tokens, parent, depths, rp, rp.keys, start + 1, width, depth)
     cache = move_path_kv(cache, start, path, depth)
     along = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # window indices of the committed chain
