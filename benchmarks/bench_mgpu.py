@@ -71,6 +71,8 @@ def main():
     ap.add_argument("--max-configs", type=int, default=0, help="time an even spread of at most this many")
     ap.add_argument("--loads", default=",".join(mg.LOADS),
                     help="load paths (MgpuConfig.loads) timed on the default and the tabled configuration")
+    ap.add_argument("--steps", default="", help="pipeline depths (MgpuConfig.steps) timed on those, e.g. 4,6,8 "
+                    "(default: each configuration's own)")
     ap.add_argument("--write-tuned", action="store_true",
                     help="also write the table to pallas_kernels/mgpu_tuned.json (the engine's per-shape choice)")
     args = ap.parse_args()
@@ -104,13 +106,16 @@ def main():
             if args.max_configs and len(cands) > args.max_configs:
                 step = len(cands) / args.max_configs
                 cands = [cands[int(i * step)] for i in range(args.max_configs)]
-            # each load path on what an untuned engine runs and on the table's configuration, then the sweep
+            # each load path (and pipeline depth) on what an untuned engine runs and on the table's configuration, then
+            # the sweep
             loads = [ld for ld in args.loads.split(",") if ld != "perm" or mg.perm_ok(g, bits)]
             first = [mg.default_config(m, k, n, g, bits)]
             entry = km.tuned_table().get(km.tuned_key(km.m_bucket(m), k, n, g, bits))
             if entry:
                 first.append(mg.MgpuConfig(**entry["cfg"]))
-            first = [dataclasses.replace(c, loads=ld) for c in first if c is not None for ld in loads]
+            depths = [int(v) for v in args.steps.split(",") if v] or [None]
+            first = [dataclasses.replace(c, loads=ld, steps=st or c.steps) for c in first if c is not None
+                     for ld in loads for st in depths]
             first = list(dict.fromkeys(first))
             cands = first + [c for c in cands if c not in first]
             for cfg in cands:
