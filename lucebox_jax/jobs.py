@@ -660,8 +660,10 @@ def job_config_from_args(args) -> JobConfig:
         raise JobError(f"--max-context must be >= 2, got {args.max_context}")
     if args.spec_max_slots is not None and args.spec_max_slots < 1:
         raise JobError(f"--spec-max-slots must be >= 1, got {args.spec_max_slots}")
-    if args.draft is not None and (args.tree is not None or str(args.num_draft).strip().lower() == "auto"):
-        raise JobError("batch jobs speculate with a fixed --num-draft K and no --tree")
+    from .spec_batch import cli_chain_error
+
+    if why := cli_chain_error(args):
+        raise JobError(why)
     # no seed among the defaults: a request without its own derives one from --seed and its id (derive_seed)
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                     min_p=args.min_p, repetition_penalty=args.repeat_penalty, stop=args.stop)

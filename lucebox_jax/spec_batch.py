@@ -37,6 +37,15 @@ from .speculative import _verify_out, accept_tokens, expected_tokens
 DEFAULT_MAX_SLOTS = 32
 
 
+def cli_chain_error(args) -> str | None:
+    """Why the command line's speculation cannot run inside continuous batching (batch jobs, --serve), checked before
+    the model loads: it needs a fixed --num-draft K and no --tree (`BatchSpec.from_decoder` refuses the same)."""
+    if getattr(args, "draft", None) is not None and (
+            getattr(args, "tree", None) is not None or str(getattr(args, "num_draft", 4)).strip().lower() == "auto"):
+        return "continuous batching (batch jobs, --serve) speculates with a fixed --num-draft K and no --tree"
+    return None
+
+
 @struct.dataclass
 class SpecRows:
     dstate: object  # the drafter's state, batch-major leaves [B, ...] (None for a drafter without state)

@@ -40,11 +40,12 @@ def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, dept
     -> (n accepted [B], path [B, depth] window indices (0 past n), next token [B]).
     An all-greedy batch takes `_walk_greedy` (a few [B, width] ops per depth); with any sampled row the whole batch
     takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every node."""
-    args = (logits, tokens, parent, depths, rp, keys, pos0, width, depth)
-    return jax.lax.cond(jnp.any(rp.temperature > 0), lambda: _walk(*args), lambda: _walk_greedy(*args))
+    return jax.lax.cond(jnp.any(rp.temperature > 0),
+                        lambda: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth),
+                        lambda: _walk_greedy(logits, tokens, parent, width, depth))
 
 
-def _walk_greedy(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
+def _walk_greedy(logits, tokens, parent, width: int, depth: int):
     """`_walk` for greedy rows: at each depth the first child (in window order) of the current node whose token is
     the target's argmax there."""
     b = logits.shape[0]

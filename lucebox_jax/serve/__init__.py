@@ -48,9 +48,10 @@ def run_serve_from_args(args) -> int:
     for flag in ("input", "output", "prompt"):
         if getattr(args, flag, None) is not None:
             raise JobError(f"--serve and --{flag} are mutually exclusive")
-    if args.draft is not None and (getattr(args, "tree", None) is not None
-                                   or str(getattr(args, "num_draft", 4)).strip().lower() == "auto"):
-        raise JobError("--serve speculates with a fixed --num-draft K and no --tree (as batch jobs do)")
+    from ..spec_batch import cli_chain_error
+
+    if why := cli_chain_error(args):
+        raise JobError(why)
     if not 0 <= args.port <= 65535:
         raise JobError(f"--port must be in 0..65535, got {args.port}")
     for flag, lo in (("batch_size", 1), ("steps_per_call", 1), ("max_queue", 1), ("max_body_kb", 1),

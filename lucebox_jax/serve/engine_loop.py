@@ -159,9 +159,8 @@ class EngineLoop:
         if not got:
             return out
         for i, name in enumerate(("inbox", "taken_to_first_token")):
-            v = np.sort([g[i] for g in got]) * 1e3
-            out[f"{name}_p50"] = round(float(v[len(v) // 2]), 2)
-            out[f"{name}_p99"] = round(float(v[min(len(v) - 1, int(len(v) * 0.99))]), 2)
+            p50, p99 = np.percentile([g[i] * 1e3 for g in got], [50, 99])
+            out[f"{name}_p50"], out[f"{name}_p99"] = round(float(p50), 2), round(float(p99), 2)
         return out
 
     @property
