@@ -90,7 +90,8 @@ def main():
                 continue
             sets = make_sets(k, n, g, bits, m)
             msets = [(x, mg.repack(w)) for x, w in sets]
-            psets = [(x, mg.repack(w, k_perm=True)) for x, w in sets] if mg.perm_ok(g, bits) else msets
+            perm = mg.perm_ok(g, bits) and "perm" in args.loads.split(",")
+            psets = [(x, mg.repack(w, k_perm=True)) for x, w in sets] if perm else msets  # K-permuted copies
             nbytes = sets[0][1].nbytes + m * k * 2 + m * n * 2
             row = {"case": label, "k": k, "n": n, "g": g, "bits": bits, "m": m, "bytes": nbytes, "configs": []}
             base_fn = kernels_xla.qmatmul_xla if bits == 4 else kernels_xla.qmatmul8_xla
