@@ -73,6 +73,8 @@ def main():
                     help="load paths (MgpuConfig.loads) timed on the default and the tabled configuration")
     ap.add_argument("--steps", default="", help="pipeline depths (MgpuConfig.steps) timed on those, e.g. 4,6,8 "
                     "(default: each configuration's own)")
+    ap.add_argument("--variants", default="", help="';'-separated JSON objects of MgpuConfig fields, each applied to "
+                    "the tabled (else default) configuration and timed first, e.g. '{\"compute_wgs\": 4, \"tile_m\": 64}'")
     ap.add_argument("--write-tuned", action="store_true",
                     help="also write the table to pallas_kernels/mgpu_tuned.json (the engine's per-shape choice)")
     args = ap.parse_args()
@@ -117,6 +119,11 @@ def main():
             depths = [int(v) for v in args.steps.split(",") if v] or [None]
             first = [dataclasses.replace(c, loads=ld, steps=st or c.steps) for c in first if c is not None
                      for ld in loads for st in depths]
+            base = first[-1] if first else None
+            for v in [json.loads(v) for v in args.variants.split(";") if v.strip()] if base else []:
+                cfg = dataclasses.replace(base, **v)
+                if not mg.check_config(k, n, g, bits, cfg):
+                    first.append(cfg)
             first = list(dict.fromkeys(first))
             cands = first + [c for c in cands if c not in first]
             for cfg in cands:

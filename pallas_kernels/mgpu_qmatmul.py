@@ -45,6 +45,7 @@ class MgpuConfig:
     lhs_smem: bool = False  # stage the dequantized tile in shared memory for wgmma (interpret mode needs this)
     wait_each_group: bool = False  # wgmma_wait after every group rather than once per pipeline step
     loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
+    ctas_per_sm: int = 1  # persistent CTAs launched per SM (2 if shared memory and registers let two reside)
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -363,7 +364,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     f = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(min(num_sms, work),),
+        grid=(min(num_sms * cfg.ctas_per_sm, work),),
         grid_names=("sm",),
         num_threads=wgs + 1,
         thread_name="wg",

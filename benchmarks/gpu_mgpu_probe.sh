@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One H200 call for issue 11: where the Mosaic-GPU qmatmul spends its time (ncu on the tabled configurations), then
+# configuration variants timed against the tabled ones and Pallas-Triton in the same call (bench_mgpu.py).
+# Usage on the device (repo root): bash benchmarks/gpu_mgpu_probe.sh   (results under $OUT, one archive probe.tgz)
+# NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_BUDGET adjust.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
+if [ "${NCU:-1}" = 1 ]; then
+  # the sections that say whether the kernel waits on memory, on its own instructions, or on barriers and wgmma
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k regex:mosaic \
+    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+    --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+    python3 benchmarks/ncu_mgpu.py ${NCU_CASES:-gate_up down} --reps 1 > "$OUT/ncu.log" 2>&1
+  grep -E "case |mosaic|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
+fi
+if [ "${SWEEP:-1}" = 1 ]; then
+  timeout "$(( ${SWEEP_BUDGET:-200} + 60 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "${CASES:-gate_up,down,qkv,o}" \
+    --loads perm --max-configs 1 --budget "${SWEEP_BUDGET:-200}" --variants "${VARIANTS:-}" > "$OUT/sweep.log" 2>&1
+  tail -25 "$OUT/sweep.log"
+fi
+(cd "$OUT" && tar czf /tmp/probe.tgz * 2>/dev/null && rm -rf "$OUT"/* && mv /tmp/probe.tgz . ; ls)
