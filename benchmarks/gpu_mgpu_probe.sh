@@ -8,12 +8,12 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
 if [ "${NCU:-1}" = 1 ]; then
   # the sections that say whether the kernel waits on memory, on its own instructions, or on barriers and wgmma
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none -k regex:mosaic \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --profile-from-start off \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
     --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
     python3 benchmarks/ncu_mgpu.py ${NCU_CASES:-gate_up down} --reps 1 > "$OUT/ncu.log" 2>&1
-  grep -E "case |mosaic|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
+  grep -E "case |  [a-z_0-9]+ \(|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
   timeout "$(( ${SWEEP_BUDGET:-200} + 60 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "${CASES:-gate_up,down,qkv,o}" \

@@ -2,17 +2,19 @@
 """Run Mosaic-GPU qmatmul cases (`pallas_kernels/mgpu_qmatmul.py`) a fixed number of times so Nsight Compute can
 read their hardware counters.
 
-    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none -k regex:mosaic --section SpeedOfLight \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false ncu --clock-control none --profile-from-start off --section SpeedOfLight \
         --section WarpStateStats ... python3 benchmarks/ncu_mgpu.py gate_up 'down:{"split_k": 8}'
 
 Each case is `shape[:json knobs]`, a shape of bench_mgpu.CASES at int4 g128 (or `head` for the int8 head); the
 knobs replace fields of the engine's tabled configuration for that shape (M = 1), or of the default one. Like
-ncu_int4.py: ncu replays every kernel many times, so this only compiles, checks once and launches `--reps` times.
+ncu_int4.py: ncu replays every kernel many times, so this only compiles, checks once and launches `--reps` times;
+only those launches are profiled (cuProfilerStart/Stop, for `--profile-from-start off`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -41,6 +43,7 @@ def main():
     ap.add_argument("cases", nargs="+")
     ap.add_argument("--reps", type=int, default=2)
     args = ap.parse_args()
+    cuda = ctypes.CDLL("libcuda.so.1")
     for case in args.cases:
         label, _, knobs = case.partition(":")
         (k, n, g, bits), cfg = config_for(label, json.loads(knobs) if knobs else {})
@@ -48,8 +51,11 @@ def main():
         wr = mg.repack(w, k_perm=cfg.loads == "perm" and mg.perm_ok(g, bits))
         fn = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg))
         err = bm.check(fn, x, w, wr)
+        fn(x, wr).block_until_ready()
+        cuda.cuProfilerStart()  # with `ncu --profile-from-start off`, only these launches are profiled
         for _ in range(args.reps):
             fn(x, wr).block_until_ready()
+        cuda.cuProfilerStop()
         print(f"case {case}: {cfg} rel err {err:.2e}", flush=True)
 
 
