@@ -75,6 +75,7 @@ def main():
                     "(default: each configuration's own)")
     ap.add_argument("--variants", default="", help="';'-separated JSON objects of MgpuConfig fields, each applied to "
                     "the tabled (else default) configuration and timed first, e.g. '{\"compute_wgs\": 4, \"tile_m\": 64}'")
+    ap.add_argument("--no-sweep", action="store_true", help="time only the load paths, depths and variants")
     ap.add_argument("--write-tuned", action="store_true",
                     help="also write the table to pallas_kernels/mgpu_tuned.json (the engine's per-shape choice)")
     args = ap.parse_args()
@@ -125,12 +126,13 @@ def main():
                 if not mg.check_config(k, n, g, bits, cfg):
                     first.append(cfg)
             first = list(dict.fromkeys(first))
-            cands = first + [c for c in cands if c not in first]
+            cands = first + ([] if args.no_sweep else [c for c in cands if c not in first])
             for cfg in cands:
                 if time.time() - t0 > args.budget:
                     break
                 fn = lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)  # noqa: E731
                 run_sets = psets if cfg.loads == "perm" else msets
+                print(f"  trying {label} g{g} M={m} {cfg}", flush=True)  # a crash in compile names its config
                 try:
                     err = check(jax.jit(fn), sets[0][0], sets[0][1], run_sets[0][1])
                     us = bk.time_sets(fn, run_sets, trials=3) * 1e6

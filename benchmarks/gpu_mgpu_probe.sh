@@ -2,11 +2,12 @@
 # One H200 call for issue 11: where the Mosaic-GPU qmatmul spends its time (ncu on the tabled configurations), then
 # configuration variants timed against the tabled ones and Pallas-Triton in the same call (bench_mgpu.py).
 # Usage on the device (repo root): bash benchmarks/gpu_mgpu_probe.sh   (results under $OUT, one archive probe.tgz)
-# NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_BUDGET adjust.
+# NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_BUDGET (per shape) adjust. ncu segfaulted
+# under this script's first version on 2026-12-03 (fourth session): NCU defaults to 0.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
-if [ "${NCU:-1}" = 1 ]; then
+if [ "${NCU:-0}" = 1 ]; then
   # the sections that say whether the kernel waits on memory, on its own instructions, or on barriers and wgmma
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --profile-from-start off \
     --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
@@ -16,8 +17,12 @@ if [ "${NCU:-1}" = 1 ]; then
   grep -E "case |  [a-z_0-9]+ \(|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
-  timeout "$(( ${SWEEP_BUDGET:-200} + 60 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "${CASES:-gate_up,down,qkv,o}" \
-    --loads perm --max-configs 1 --budget "${SWEEP_BUDGET:-200}" --variants "${VARIANTS:-}" > "$OUT/sweep.log" 2>&1
-  tail -25 "$OUT/sweep.log"
+  # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
+  for c in ${CASES:-gate_up down qkv o}; do
+    timeout "$(( ${SWEEP_BUDGET:-60} + 40 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "$c" --loads perm --no-sweep \
+      --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS:-}" > "$OUT/sweep_$c.log" 2>&1
+    echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
+    mv "$OUT/bench_mgpu.json" "$OUT/bench_mgpu_$c.json" 2>/dev/null
+  done
 fi
 (cd "$OUT" && tar czf /tmp/probe.tgz * 2>/dev/null && rm -rf "$OUT"/* && mv /tmp/probe.tgz . ; ls)
