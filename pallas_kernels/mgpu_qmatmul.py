@@ -159,6 +159,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
     cta_m = cfg.tile_m * cfg.compute_wgs
     if cfg.tile_m % 64:
         return f"tile_m {cfg.tile_m} is not a multiple of 64"
+    if cfg.compute_wgs not in (1, 2):  # 4 warpgroups of 64 rows hung on the H200 (2026-12-03, fourth session)
+        return f"compute_wgs {cfg.compute_wgs}: only 1 or 2 compute warpgroups run"
     if n % cta_m:
         return f"N {n} is not a multiple of the CTA tile {cta_m}"
     if g % 16 or g * bits // 8 < 16:
@@ -176,12 +178,13 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
 
 
 def load_mode(cfg: MgpuConfig, w: MgpuWeight) -> str:
-    """The load path that serves `w`: a K-permuted weight needs `perm`; `perm` asked of a plain one runs `wide`."""
+    """The load path that serves `w`: a K-permuted weight needs `perm`; `perm` asked of a plain one (int8, int4 g32)
+    runs `narrow`, which the H200 timed 5-12% faster than `wide` in every pair (round 3, benchmarks/RESULTS.md)."""
     if cfg.loads not in LOADS:
         raise ValueError(f"MgpuConfig.loads {cfg.loads!r} is not one of {LOADS}")
     if w.k_perm:
         return "perm"
-    return "wide" if cfg.loads == "perm" else cfg.loads
+    return "narrow" if cfg.loads == "perm" else cfg.loads
 
 
 def _as_wgmma_layout(a: jax.Array) -> jax.Array:

@@ -134,3 +134,23 @@ def test_every_load_path_matches_reference_on_hopper(loads, m, k, n, g, bits, sy
     y = np.asarray(jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))(x, pw), np.float32)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+
+
+def test_best_is_the_hopper_default_only():
+    """`best` is consulted first on sm_90 (`gpu:sm90`), while a GPU of another generation keeps Pallas-Triton."""
+    assert kernels_mgpu.HOPPER_DEFAULT
+    for op in ("qmatmul", "qmatmul8"):
+        assert ops._DEFAULTS["gpu:sm90"][op] == "best"
+        assert ops._DEFAULTS["gpu"][op] != "best"
+        assert ops.default_name(op) in ("xla", "pallas")  # this CPU: unchanged
+
+
+def test_configs_that_hung_or_have_no_path_are_refused():
+    """4 compute warpgroups hung on the H200; `perm` asked of a plain weight runs the `narrow` path."""
+    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=4, groups=1)
+    assert "compute_wgs" in mg.check_config(4096, 28672, 128, 4, cfg)
+    sds = jax.ShapeDtypeStruct
+    plain = mg.MgpuWeight(codes=sds((128, 256, 32), jnp.int8), scales=sds((128, 256), jnp.float16), offsets=None,
+                          group_size=32, bits=8)
+    assert mg.load_mode(mg.MgpuConfig(loads="perm"), plain) == "narrow"
+    assert mg.load_mode(mg.MgpuConfig(loads="wide"), plain) == "wide"
