@@ -46,6 +46,7 @@ class MgpuConfig:
     wait_each_group: bool = False  # wgmma_wait after every group rather than once per pipeline step
     loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
     ctas_per_sm: int = 1  # persistent CTAs launched per SM (2 if shared memory and registers let two reside)
+    probe: str = ""  # timing attribution only, results wrong (see `PROBES`); "" is the kernel
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -54,6 +55,11 @@ class MgpuConfig:
 #   perm    int4 only: codes stored K-permuted within each 32 (`repack(k_perm=True)`) so that one 32-bit load gives
 #           a thread exactly the 8 codes the WGMMA layout wants from it: converted 8 at a time, no shuffles
 LOADS = ("narrow", "wide", "perm")
+
+# Variants that leave one stage out, to place the kernel's time by differences (ncu segfaulted on this kernel):
+#   skip_scale    codes converted and fed to wgmma unscaled (no scale / offset loads, multiplies or adds)
+#   skip_convert  wgmma gets zeros: no code loads from shared memory, no conversion, no scaling (TMA still copies)
+PROBES = ("", "skip_scale", "skip_convert")
 
 
 @jax.tree_util.register_dataclass
@@ -159,6 +165,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
     cta_m = cfg.tile_m * cfg.compute_wgs
     if cfg.tile_m % 64:
         return f"tile_m {cfg.tile_m} is not a multiple of 64"
+    if cfg.probe not in PROBES:
+        return f"probe {cfg.probe!r} is not one of {PROBES}"
     if cfg.compute_wgs not in (1, 2):  # 4 warpgroups of 64 rows hung on the H200 (2026-12-03, fourth session)
         return f"compute_wgs {cfg.compute_wgs}: only 1 or 2 compute warpgroups run"
     if n % cta_m:
@@ -332,7 +340,9 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     row_layout = plgpu.Layout.WGMMA.reduce(1)
                     for j in range(gps):
                         # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)
-                        if lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
+                        if cfg.probe == "skip_convert":
+                            wq = plgpu.layout_cast(jnp.full((tm, g), 0, jnp.bfloat16), plgpu.Layout.WGMMA)
+                        elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
                             wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
                             wq = unperm_k(wq) if w.k_perm else wq
                         elif loads == "wide":
@@ -341,9 +351,12 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         else:
                             wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                             wq = _as_wgmma_layout(wq.astype(jnp.bfloat16))
-                        sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
-                        wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
-                        if asym:
+                        if cfg.probe:
+                            wv = wq
+                        else:
+                            sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
+                            wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
+                        if asym and not cfg.probe:
                             off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                             wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
                         if lhs_smem:

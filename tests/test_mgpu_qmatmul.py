@@ -129,3 +129,22 @@ def test_identical_kernels_lower_to_one_module():
         txt = jax.jit(two_layers).trace(sds((1, k), jnp.bfloat16), w, w).lower(lowering_platforms=("cuda",)).as_text()
     hashes = re.findall(r'kernel_hash = "([^"]*)"', txt)
     assert len(hashes) == 2 and len(set(hashes)) == 1
+
+
+@pytest.mark.parametrize("probe", [p for p in mg.PROBES if p])
+@pytest.mark.parametrize("loads", ["perm", "narrow"])
+def test_timing_probes_lower_for_h200(probe, loads):
+    """The stage-skipping variants that place the kernel's time by differences lower under both semantics (Lane for
+    `perm`, Warpgroup for the others); an unknown probe is refused."""
+    import dataclasses
+
+    sds = jax.ShapeDtypeStruct
+    k, n, g = 4096, 4096, 128
+    cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads=loads, probe=probe)
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16),
+                      offsets=sds((k // g, n), jnp.float16), group_size=g, bits=4, k_perm=loads == "perm")
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+    assert "probe" in mg.check_config(k, n, g, 4, dataclasses.replace(cfg, probe="skip_all"))
