@@ -16,11 +16,13 @@ if [ "${NCU:-0}" = 1 ]; then
     python3 benchmarks/ncu_mgpu.py ${NCU_CASES:-gate_up down} --reps 1 > "$OUT/ncu.log" 2>&1
   grep -E "case |  [a-z_0-9]+ \(|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
 fi
+# by default: the stage-skipping probes (time by differences) and the scale applied after the wgmma
+DEFAULT_VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"scale_after":true};{"scale_after":true,"groups":2}'
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   for c in ${CASES:-gate_up down qkv o}; do
     timeout "$(( ${SWEEP_BUDGET:-60} + 40 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "$c" --loads perm --no-sweep \
-      --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS:-}" > "$OUT/sweep_$c.log" 2>&1
+      --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS-$DEFAULT_VARIANTS}" > "$OUT/sweep_$c.log" 2>&1
     echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
     mv "$OUT/bench_mgpu.json" "$OUT/bench_mgpu_$c.json" 2>/dev/null
   done

@@ -16,7 +16,8 @@ Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * 
 and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its [tile_m, g] codes into registers
 (one of three paths, `LOADS`: the K-permuted `perm` layout lets 32-bit loads land codes where wgmma wants them),
 converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
-the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
+the group's x^T rows (with `scale_after`, symmetric weights: one wgmma of the raw codes into a fresh accumulator per
+group, whose float32 sums are then scaled, tm x tile_t multiplies instead of tm x g); the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
 each, which keeps one group's registers live at a time). A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32
 partial sums that one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
 on the engine's `QuantArray`.
@@ -47,6 +48,8 @@ class MgpuConfig:
     loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
     ctas_per_sm: int = 1  # persistent CTAs launched per SM (2 if shared memory and registers let two reside)
     probe: str = ""  # timing attribution only, results wrong (see `PROBES`); "" is the kernel
+    scale_after: bool = False  # symmetric weights: wgmma on the raw codes per group, the scale applied in float32 to
+    #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -278,6 +281,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     out_bits = jnp.dtype(out_dtype).itemsize * 8
     out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
+    after = cfg.scale_after and w.offsets is None and not cfg.probe
     wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     loads = load_mode(cfg, w)
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
@@ -322,15 +326,22 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 kr = pl.ds(split * steps_per_split * gps * g, steps_per_split * gps * g)
                 wrows = pl.ds(wg * tm, tm)
 
+                def store(acc):
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    out_smem[wg] = acc.astype(out_dtype)
+                    plgpu.commit_smem()
+                    dst = out_gmem.at[split] if splits > 1 else out_gmem
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[rows, toks].at[wrows])
+
                 def context(run):
+                    if after:  # the carry is the float32 sum in registers; each group's wgmma gets a fresh ACC
+                        store(run(plgpu.layout_cast(jnp.full((tm, tt), 0, jnp.float32), plgpu.Layout.WGMMA)))
+                        return
+
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tt), jnp.float32))
                     def _acc(acc_ref):
                         run(acc_ref)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = acc_ref[...].astype(out_dtype)
-                        plgpu.commit_smem()
-                        dst = out_gmem.at[split] if splits > 1 else out_gmem
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[rows, toks].at[wrows])
+                        store(acc_ref[...])
 
                 def body(_, c_smem, s_smem, *refs):
                     if asym:
@@ -351,19 +362,29 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         else:
                             wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                             wq = _as_wgmma_layout(wq.astype(jnp.bfloat16))
-                        if cfg.probe:
+                        if cfg.probe or after:
                             wv = wq
                         else:
                             sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                             wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
-                        if asym and not cfg.probe:
+                        if asym and not cfg.probe:  # (`after` is never asymmetric)
                             off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                             wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
                         if lhs_smem:
                             a_smem[wg] = wv
                             plgpu.commit_smem()
                             wv = a_smem.at[wg]
-                        plgpu.wgmma(acc_ref, wv, x_smem.at[pl.ds(j * g, g), :])
+                        x_rows = x_smem.at[pl.ds(j * g, g), :]
+                        if after:
+                            def group_mma(gacc, wv=wv, x_rows=x_rows):
+                                plgpu.wgmma(gacc, wv, x_rows)
+                                return gacc[...]  # waits for it
+
+                            part = pl.run_scoped(group_mma, plgpu.ACC((tm, tt), jnp.float32))
+                            sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
+                            acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))
+                            continue
+                        plgpu.wgmma(acc_ref, wv, x_rows)
                         if cfg.wait_each_group or j == gps - 1:
                             plgpu.wgmma_wait(0)
                     return acc_ref

@@ -148,3 +148,29 @@ def test_timing_probes_lower_for_h200(probe, loads):
             sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt
     assert "probe" in mg.check_config(k, n, g, 4, dataclasses.replace(cfg, probe="skip_all"))
+
+
+def test_scale_after_interpret_matches_reference_and_lowers():
+    """`scale_after` (symmetric weights): wgmma on the raw codes per group, the scale applied to the float32 partial
+    sums. Interpreted on the CPU against the float32 product, and lowered for an abstract H200 (perm loads)."""
+    import dataclasses
+
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(11)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64, symmetric=True)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    ref = jnp.dot(x.astype(jnp.float32), dequantize(w))
+    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2, scale_after=True)
+    for k_perm in (False, True):
+        y = mg.mgpu_matmul(x, mg.repack(w, k_perm=k_perm), cfg, interpret=plgpu.InterpretGPUParams())
+        assert _rel(y, ref) < 1e-2
+    sds = jax.ShapeDtypeStruct
+    k, n, g = 4096, 28672, 128
+    big = dataclasses.replace(mg.default_config(1, k, n, g, 4), scale_after=True)
+    ws = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16), offsets=None,
+                       group_size=g, bits=4, k_perm=True)
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, big)).trace(
+            sds((1, k), jnp.bfloat16), ws).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
