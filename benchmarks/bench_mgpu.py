@@ -134,10 +134,13 @@ def main():
                 run_sets = psets if cfg.loads == "perm" else msets
                 print(f"  trying {label} g{g} M={m} {cfg}", flush=True)  # a crash in compile names its config
                 try:
+                    t_c = time.time()
                     err = check(jax.jit(fn), sets[0][0], sets[0][1], run_sets[0][1])
+                    compile_s = time.time() - t_c  # the first call: compile (Mosaic GPU's included) and one run
                     us = bk.time_sets(fn, run_sets, trials=3) * 1e6
-                    row["configs"].append({"cfg": cfg.__dict__, "us": us, "err": err})
-                    print(f"  {label} g{g} M={m} {cfg}: {us:.1f} us err {err:.1e}", flush=True)
+                    row["configs"].append({"cfg": cfg.__dict__, "us": us, "err": err, "compile_s": compile_s})
+                    print(f"  {label} g{g} M={m} {cfg}: {us:.1f} us err {err:.1e} compile {compile_s:.1f} s",
+                          flush=True)
                 except Exception as e:  # noqa: BLE001
                     RES["errors"].append(f"{label} g{g} M={m} {cfg}: {type(e).__name__}: {str(e)[:400]}")
                     print(f"  {label} g{g} M={m} {cfg}: {type(e).__name__}: {str(e)[:300]}", flush=True)
