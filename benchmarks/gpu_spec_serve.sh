@@ -9,6 +9,8 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
+# the wheels carried in .whl/ (gguf, starlette, uvicorn): a cold machine has none of them
+[ -d /tmp/site ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
 M=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 HEAD="$OUT/SmolLM2-135M-Instruct.Q4_1-eagle"
 [ -f "$M" ] || cat /tmp/smol.part00 .gl/smol.part01 > "$M"
