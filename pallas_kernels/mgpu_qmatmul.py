@@ -16,10 +16,11 @@ Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * 
 and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its [tile_m, g] codes into registers
 (one of three paths, `LOADS`: the K-permuted `perm` layout lets 32-bit loads land codes where wgmma wants them),
 converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
-the group's x^T rows (with `scale_after`, symmetric weights: one wgmma of the raw codes into a fresh accumulator per
-group, whose float32 sums are then scaled, tm x tile_t multiplies instead of tm x g); the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
-each, which keeps one group's registers live at a time). A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32
-partial sums that one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
+the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
+each, which keeps one group's registers live at a time). With `scale_after` (symmetric weights) each group's raw
+codes go into a fresh accumulator instead, and its float32 sums are scaled: tm x tile_t multiplies, not tm x g.
+A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32 partial sums that
+one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
 on the engine's `QuantArray`.
 """
 
@@ -382,7 +383,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
                             part = pl.run_scoped(group_mma, plgpu.ACC((tm, tt), jnp.float32))
                             sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
-                            acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))
+                            acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))  # an array here
                             continue
                         plgpu.wgmma(acc_ref, wv, x_rows)
                         if cfg.wait_each_group or j == gps - 1:
