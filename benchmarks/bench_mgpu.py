@@ -74,7 +74,7 @@ def main():
     ap.add_argument("--steps", default="", help="pipeline depths (MgpuConfig.steps) timed on those, e.g. 4,6,8 "
                     "(default: each configuration's own)")
     ap.add_argument("--variants", default="", help="';'-separated JSON objects of MgpuConfig fields, each applied to "
-                    "the tabled (else default) configuration and timed first, e.g. '{\"compute_wgs\": 4, \"tile_m\": 64}'")
+                    "the tabled (else default) configuration and timed first, e.g. '{\"scale_after\": true}'")
     ap.add_argument("--no-sweep", action="store_true", help="time only the load paths, depths and variants")
     ap.add_argument("--write-tuned", action="store_true",
                     help="also write the table to pallas_kernels/mgpu_tuned.json (the engine's per-shape choice)")
