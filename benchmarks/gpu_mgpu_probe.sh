@@ -16,8 +16,9 @@ if [ "${NCU:-0}" = 1 ]; then
     python3 benchmarks/ncu_mgpu.py ${NCU_CASES:-gate_up down} --reps 1 > "$OUT/ncu.log" 2>&1
   grep -E "case |  [a-z_0-9]+ \(|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
 fi
-# by default: the stage-skipping probes (time by differences) and the scale applied after the wgmma
-DEFAULT_VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"scale_after":true};{"scale_after":true,"groups":2}'
+# by default: the stage-skipping probes (time by differences), independent accumulator chains, the scale applied
+# after the wgmma
+DEFAULT_VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"chains":2};{"chains":4};{"scale_after":true}'
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   for c in ${CASES:-gate_up down qkv o}; do

@@ -19,6 +19,8 @@ converts them to bf16, applies the group's per-row scale (and min) as a row broa
 the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
 each, which keeps one group's registers live at a time). With `scale_after` (symmetric weights) each group's raw
 codes go into a fresh accumulator instead, and its float32 sums are scaled: tm x tile_t multiplies, not tm x g.
+With `chains` > 1 a warpgroup's wgmmas alternate, 16 K-rows at a time, between that many accumulators (summed at the
+end), so consecutive m64n16k16 wgmmas do not wait on one another's sums.
 A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32 partial sums that
 one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
 on the engine's `QuantArray`.
@@ -49,6 +51,8 @@ class MgpuConfig:
     loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
     ctas_per_sm: int = 1  # persistent CTAs launched per SM (2 if shared memory and registers let two reside)
     probe: str = ""  # timing attribution only, results wrong (see `PROBES`); "" is the kernel
+    chains: int = 1  # independent accumulators per warpgroup, wgmmas alternating between them 16 K-rows at a time
+    #                  (a dependent chain of m64n16k16 wgmmas may be latency-bound; summed once at the end)
     scale_after: bool = False  # symmetric weights: wgmma on the raw codes per group, the scale applied in float32 to
     #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
 
@@ -171,6 +175,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"tile_m {cfg.tile_m} is not a multiple of 64"
     if cfg.probe not in PROBES:
         return f"probe {cfg.probe!r} is not one of {PROBES}"
+    if cfg.chains < 1 or g % (16 * cfg.chains):
+        return f"{cfg.chains} accumulator chains do not split a group of {g} into 16-row wgmmas"
     if cfg.compute_wgs not in (1, 2):  # 4 warpgroups of 64 rows hung on the H200 (2026-12-03, fourth session)
         return f"compute_wgs {cfg.compute_wgs}: only 1 or 2 compute warpgroups run"
     if n % cta_m:
@@ -339,6 +345,17 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         store(run(plgpu.layout_cast(jnp.full((tm, tt), 0, jnp.float32), plgpu.Layout.WGMMA)))
                         return
 
+                    if cfg.chains > 1:
+                        def _accs(*accs):
+                            run(accs)
+                            total = accs[0][...]
+                            for a in accs[1:]:
+                                total = total + a[...]
+                            store(total)
+
+                        pl.run_scoped(_accs, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(cfg.chains)])
+                        return
+
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tt), jnp.float32))
                     def _acc(acc_ref):
                         run(acc_ref)
@@ -385,7 +402,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                             sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
                             acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))  # an array here
                             continue
-                        plgpu.wgmma(acc_ref, wv, x_rows)
+                        if cfg.chains > 1:  # acc_ref: a tuple of accumulators here
+                            for c in range(g // 16):
+                                ks = pl.ds(16 * c, 16)
+                                a_c = wv.at[:, ks] if lhs_smem else wv[:, 16 * c:16 * c + 16]
+                                plgpu.wgmma(acc_ref[c % cfg.chains], a_c, x_rows.at[ks, :])
+                        else:
+                            plgpu.wgmma(acc_ref, wv, x_rows)
                         if cfg.wait_each_group or j == gps - 1:
                             plgpu.wgmma_wait(0)
                     return acc_ref
