@@ -154,3 +154,29 @@ def test_configs_that_hung_or_have_no_path_are_refused():
                           group_size=32, bits=8)
     assert mg.load_mode(mg.MgpuConfig(loads="perm"), plain) == "narrow"
     assert mg.load_mode(mg.MgpuConfig(loads="wide"), plain) == "wide"
+
+
+def test_engine_calls_of_one_shape_lower_once():
+    """The registered op puts the kernel behind a nested jit, so the layers' calls of one shape are traced and lowered
+    once (a per-layer lowering cost seconds per call site in an 8B step's compile)."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from test_pallas_lowering import abstract_h200
+
+    sds = jax.ShapeDtypeStruct
+    k, n, g = 4096, 4096, 128
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16), offsets=None,
+                      group_size=g, bits=4, k_perm=True)
+
+    def kernels_in(n_layers):
+        def layers(x, w):
+            for _ in range(n_layers):
+                x = kernels_mgpu.qmatmul_mgpu_op(x, w)
+            return x
+
+        with abstract_h200():
+            txt = jax.jit(layers).trace(sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+        return txt.count("stablehlo.custom_call @mosaic_gpu_v2")
+
+    assert kernels_in(12) == kernels_in(4) <= 2  # (the first call, on the jit's own argument, may lower apart)
