@@ -4,6 +4,9 @@
 # Usage on the device (repo root): bash benchmarks/gpu_mgpu_probe.sh   (results under $OUT, one archive probe.tgz)
 # NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_BUDGET (per shape) adjust. ncu segfaulted
 # under this script's first version on 2026-12-03 (fourth session): NCU defaults to 0.
+# TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
+# DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
+# (.peers carried) in the same call.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -23,9 +26,17 @@ if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   for c in ${CASES:-gate_up down qkv o}; do
     timeout "$(( ${SWEEP_BUDGET:-60} + 40 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "$c" --loads perm --no-sweep \
-      --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS-$DEFAULT_VARIANTS}" > "$OUT/sweep_$c.log" 2>&1
+      --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS-$DEFAULT_VARIANTS}" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
     echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
     mv "$OUT/bench_mgpu.json" "$OUT/bench_mgpu_$c.json" 2>/dev/null
   done
+fi
+[ "${TUNED:-0}" = 1 ] && cp pallas_kernels/mgpu_tuned.json "$OUT/"
+if [ "${DECODE:-0}" = 1 ]; then
+  timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b --batches 1 --xla-batches '' \
+    --kernel-sets 'qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas' --reps 2 > "$OUT/decode.log" 2>&1
+  sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode.log"
+  [ -f .peers/peer_bench.py ] && timeout 150 python3 .peers/peer_bench.py --sections D_int4_b1 --budget 140 \
+    > "$OUT/peer.log" 2>&1; grep "^D |" "$OUT/peer.log"
 fi
 (cd "$OUT" && tar czf /tmp/probe.tgz * 2>/dev/null && rm -rf "$OUT"/* && mv /tmp/probe.tgz . ; ls)

@@ -18,7 +18,8 @@ and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its 
 converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
 the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
 each, which keeps one group's registers live at a time). With `scale_after` (symmetric weights) each group's raw
-codes go into a fresh accumulator instead, and its float32 sums are scaled: tm x tile_t multiplies, not tm x g.
+codes go into a fresh accumulator instead (a step's groups all issued before any is read, so one group's conversion
+overlaps the previous group's wgmma), and its float32 sums are scaled: tm x tile_t multiplies, not tm x g.
 With `chains` > 1 a warpgroup's wgmmas alternate, 16 K-rows at a time, between that many accumulators (summed at the
 end), so consecutive m64n16k16 wgmmas do not wait on one another's sums.
 A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32 partial sums that
@@ -367,7 +368,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     else:
                         x_smem, acc_ref = refs
                     row_layout = plgpu.Layout.WGMMA.reduce(1)
-                    for j in range(gps):
+
+                    def operand(j):  # group j's [tm, g] codes in wgmma's register layout, scaled unless `after`
                         # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)
                         if cfg.probe == "skip_convert":
                             wq = plgpu.layout_cast(jnp.full((tm, g), 0, jnp.bfloat16), plgpu.Layout.WGMMA)
@@ -388,27 +390,37 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         if asym and not cfg.probe:  # (`after` is never asymmetric)
                             off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                             wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
-                        if lhs_smem:
-                            a_smem[wg] = wv
+                        if lhs_smem:  # (one buffer per group: a later group must not overwrite an unread one)
+                            a_smem[wg, j] = wv
                             plgpu.commit_smem()
-                            wv = a_smem.at[wg]
-                        x_rows = x_smem.at[pl.ds(j * g, g), :]
-                        if after:
-                            def group_mma(gacc, wv=wv, x_rows=x_rows):
-                                plgpu.wgmma(gacc, wv, x_rows)
-                                return gacc[...]  # waits for it
+                            wv = a_smem.at[wg, j]
+                        return wv
 
-                            part = pl.run_scoped(group_mma, plgpu.ACC((tm, tt), jnp.float32))
+                    def x_rows(j):
+                        return x_smem.at[pl.ds(j * g, g), :]
+
+                    if after:
+                        # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
+                        # and conversion overlap group j's wgmma; the first read waits for them all
+                        def group_mmas(*gaccs):
+                            for j, gacc in enumerate(gaccs):
+                                plgpu.wgmma(gacc, operand(j), x_rows(j))
+                            return tuple(gacc[...] for gacc in gaccs)
+
+                        parts = pl.run_scoped(group_mmas, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(gps)])
+                        for j, part in enumerate(parts):
                             sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
                             acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))  # an array here
-                            continue
+                        return acc_ref
+                    for j in range(gps):
+                        wv = operand(j)
                         if cfg.chains > 1:  # acc_ref: a tuple of accumulators here
                             for c in range(g // 16):
                                 ks = pl.ds(16 * c, 16)
                                 a_c = wv.at[:, ks] if lhs_smem else wv[:, 16 * c:16 * c + 16]
-                                plgpu.wgmma(acc_ref[c % cfg.chains], a_c, x_rows.at[ks, :])
+                                plgpu.wgmma(acc_ref[c % cfg.chains], a_c, x_rows(j).at[ks, :])
                         else:
-                            plgpu.wgmma(acc_ref, wv, x_rows)
+                            plgpu.wgmma(acc_ref, wv, x_rows(j))
                         if cfg.wait_each_group or j == gps - 1:
                             plgpu.wgmma_wait(0)
                     return acc_ref
@@ -434,7 +446,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane if loads == "perm"
                                              and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tm, tt), out_dtype, transforms=out_tf),
-                           **({"a_smem": plgpu.SMEM((wgs, tm, g), jnp.bfloat16, transforms=a_tf)} if lhs_smem else {})),
+                           **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
+                              if lhs_smem else {})),
     )
     args = (xt, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)
