@@ -119,19 +119,23 @@ async def one_request(client, url, ids, new_tokens):
             "stream": True, "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
     stamps, n_tok, text = [], 0, []
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            c = json.loads(line[6:])
-            if c.get("usage"):
-                n_tok = c["usage"]["completion_tokens"]
-            for ch in c.get("choices", []):
-                if ch.get("text"):
-                    stamps.append(time.perf_counter())
-                    text.append(ch["text"])
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                c = json.loads(line[6:])
+                if c.get("usage"):
+                    n_tok = c["usage"]["completion_tokens"]
+                for ch in c.get("choices", []):
+                    if ch.get("text"):
+                        stamps.append(time.perf_counter())
+                        text.append(ch["text"])
+    except httpx.TransportError as e:  # a dropped connection fails this request, not the level: counted, reported
+        return {"t0": t0, "stamps": [], "end": time.perf_counter(), "tokens": 0,
+                "error": f"{type(e).__name__}: {e} (after {len(stamps)} chunks, {time.perf_counter() - t0:.2f} s)"}
     return {"t0": t0, "stamps": stamps, "end": time.perf_counter(), "tokens": n_tok}
 
 
@@ -149,6 +153,8 @@ async def run_clients(port, prompts, new_tokens):
 
 
 def summarize(reqs, wall):
+    failed = [r["error"] for r in reqs if r.get("error")]
+    reqs = [r for r in reqs if not r.get("error")]
     ttft = [r["stamps"][0] - r["t0"] for r in reqs if r["stamps"]]
     itl = [b - a for r in reqs for a, b in zip(r["stamps"], r["stamps"][1:])]
     tpot = [(r["end"] - r["stamps"][0]) / (r["tokens"] - 1) for r in reqs if r["stamps"] and r["tokens"] > 1]
@@ -157,7 +163,8 @@ def summarize(reqs, wall):
     return {"requests": len(reqs), "completion_tokens": tokens, "wall_s": round(wall, 3),
             "tok_s": round(tokens / wall, 1), "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99), "tpot_p50_ms": pct(tpot, 50),
-            "tpot_p99_ms": pct(tpot, 99), "tokens_per_chunk": round(tokens / max(chunks, 1), 2)}
+            "tpot_p99_ms": pct(tpot, 99), "tokens_per_chunk": round(tokens / max(chunks, 1), 2),
+            "failed_requests": len(failed), "failures": failed[:5]}
 
 
 def bench_server_level(a, n, out_dir, deadline):
@@ -168,10 +175,13 @@ def bench_server_level(a, n, out_dir, deadline):
         # warm-up (compiles are not what this measures): every prefill group size at the shortest, middle and
         # longest prompt, then the whole workload with 2 new tokens each
         longest = max((ids for per in prompts for ids in per), key=len)
+        warm_failed = []
         for size in sorted({min(p, n) for p in (1, 2, 4, 8)}):
             for length in sorted({a.prompt_min, (a.prompt_min + a.prompt_max) // 2, a.prompt_max}):
-                asyncio.run(run_clients(port, [[longest[:length]] for _ in range(size)], 2))
-        asyncio.run(run_clients(port, prompts, 2))
+                got, _ = asyncio.run(run_clients(port, [[longest[:length]] for _ in range(size)], 2))
+                warm_failed += [r["error"] for r in got if r.get("error")]
+        got, _ = asyncio.run(run_clients(port, prompts, 2))
+        warm_failed += [r["error"] for r in got if r.get("error")]
         t_warm = time.perf_counter() - t0
         before = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
         reqs, wall = asyncio.run(run_clients(port, prompts, a.new_tokens))
@@ -184,6 +194,10 @@ def bench_server_level(a, n, out_dir, deadline):
         row["compile_s_during_run"] = round(after.get("compile_seconds", 0) - before.get("compile_seconds", 0), 2)
         row["server_startup_s"] = round(startup, 1)
         row["warmup_s"] = round(t_warm, 1)
+        row["warmup_failed_requests"], row["warmup_failures"] = len(warm_failed), warm_failed[:5]
+        if row["failed_requests"] or warm_failed:
+            log(f"clients={n}: {row['failed_requests']} requests failed in the run, {len(warm_failed)} in the "
+                f"warm-up: {(row['failures'] or warm_failed)[:2]}")
         return row, prompts
     finally:
         proc.terminate()
@@ -279,7 +293,8 @@ def main(argv=None):
         lines.append(f"| {n} | {s['tok_s']} | {o.get('tok_s', '-')} | {lv.get('server_over_offline', '-')} | "
                      f"{fmt(s['ttft_p50_ms'])} / {fmt(s['ttft_p99_ms'])} | {fmt(s['itl_p50_ms'])} / "
                      f"{fmt(s['itl_p99_ms'])} | {fmt(s['tpot_p50_ms'], 2)} / {fmt(s['tpot_p99_ms'], 2)} | "
-                     f"{s['tokens_per_chunk']} |")
+                     f"{s['tokens_per_chunk']} |" + (f" ({s['failed_requests']} requests failed)"
+                                                      if s.get("failed_requests") else ""))
     md = (f"bench_serve on {result['device']}: {a.new_tokens} new tokens per request, prompts {a.prompt_min}-"
           f"{a.prompt_max} tokens, context {a.max_context}, {a.steps_per_call} steps per call, server slots = clients"
           "\n\n" + "\n".join(lines) + "\n")

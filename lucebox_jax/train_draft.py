@@ -14,6 +14,8 @@
    greedy speculative decoding (K = 4) on prompts never trained on, and whether its output equals plain greedy.
 
 `--time-budget` stops training early (the head is still saved) so one run fits a fixed slot on a GPU.
+`--eval HEAD [HEAD ...]` trains nothing: it prints each existing head's held-out figure (JSON lines), so heads
+trained in different runs compare on the same prompts (acceptance depends on the weights, not the device).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from flax import serialization
 
 from .drafters.eagle import (EagleConfig, EagleDrafter, HeadWeights, fuse_features, head_out, head_qkv, init_head,
-                             save_head)
+                             load_head, save_head)
 from .engine import Engine, bucket
 from .model import forward, init_cache, rms_norm
 from .quant import dequantize
@@ -283,10 +285,37 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
 
 
 # ---------------------------------------------------------------------------------------------------- command
+def evaluate_heads(engine: Engine, tokenizer, args, log) -> int:
+    """`--eval`: each head's held-out figures on the same held-out prompts, one JSON line per head."""
+    import json
+
+    from .errors import LuceboxError
+
+    _, held = build_prompts(tokenizer, args.chat_prompts, args.raw_prompts)
+    held = held[: args.holdout]
+    for folder in args.eval:
+        try:
+            hc, head, _ = load_head(folder)
+        except LuceboxError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens)}
+        if args.tree:
+            row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, tree=args.tree)
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        print(json.dumps(row), flush=True)
+        log(f"{folder}: {row['chain']['mean_accepted']} accepted drafts/step (chain)"
+            + (f", {row['tree']['mean_accepted']} (tree of {args.tree})" if args.tree else ""))
+    return 0
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m lucebox_jax.train_draft", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", "-m", default=None, help="target .gguf or checkpoint folder (default: embedded model)")
-    p.add_argument("--out", required=True, help="folder for the head (eagle.json, head.msgpack) and train state")
+    p.add_argument("--out", default=None, help="folder for the head (eagle.json, head.msgpack) and train state")
+    p.add_argument("--eval", nargs="+", default=None, metavar="HEAD",
+                   help="train nothing: held-out acceptance of these head folders (chain K = 4, and --tree)")
     p.add_argument("--chat-prompts", type=int, default=640, help="built-in chat prompts to use (most 691)")
     p.add_argument("--raw-prompts", type=int, default=24)
     p.add_argument("--temps", default="0,0.7,1.0", help="each prompt is continued once per temperature")
@@ -331,6 +360,11 @@ def main(argv=None) -> int:
         return 2
     tokenizer = Tokenizer.from_gguf_metadata(tok_meta)
     engine = Engine(cfg, weights, KernelSet.resolve(args.kernels))
+    if args.eval:
+        return evaluate_heads(engine, tokenizer, args, log)
+    if not args.out:
+        print("error: --out FOLDER is needed to train (or --eval HEAD ... to evaluate heads)", file=sys.stderr)
+        return 2
     hc = EagleConfig.for_target(cfg, args.ffn_mult)
     log(f"target {source}: {cfg.n_layers} layers, width {cfg.dim}; head features from layers {hc.feature_layers}")
     train_ps, held = build_prompts(tokenizer, args.chat_prompts, args.raw_prompts)

@@ -65,6 +65,16 @@ def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsy
     assert main(common + ["--steps", "5"]) == 0
     assert "resuming" in capsys.readouterr().err
     assert json.loads((out / "eagle.json").read_text())["training"]["steps"] == 5
+    # --eval: the saved head's held-out figure again, on the same held-out prompts, without training
+    ev = ["--model", tiny_gguf, "--chat-prompts", "6", "--raw-prompts", "2", "--holdout", "2", "--holdout-tokens", "8"]
+    assert main(ev + ["--tree", "0", "--eval", str(out)]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    saved = json.loads((out / "eagle.json").read_text())["heldout"]
+    assert row["head"] == str(out) and "tree" not in row
+    assert row["chain"]["greedy_equal_rows"] == "2/2" and row["chain"]["mean_accepted"] == saved["mean_accepted"]
+    assert main(ev + ["--eval", str(tmp_path / "no-head")]) == 2
+    assert "no draft head" in capsys.readouterr().err
+    assert main(["--model", tiny_gguf]) == 2 and "--out" in capsys.readouterr().err
     from lucebox_jax import LLM, SamplingParams
 
     llm = LLM(tiny_gguf, draft="eagle")
