@@ -56,7 +56,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-min", type=int, default=None, help="default 64 (--small: 8)")
     p.add_argument("--prompt-max", type=int, default=None, help="default 256 (--small: 24)")
     p.add_argument("--max-context", type=int, default=512)
-    p.add_argument("--steps-per-call", type=int, default=None, help="default 16 (--small: 8)")
+    p.add_argument("--steps-per-call", type=int, default=None, help="default 8 (the server's default)")
     p.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run; levels left out after")
     p.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
     p.add_argument("--warmup", choices=("full", "basic"), default="full", help="the server's --warmup")
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     a.new_tokens = a.new_tokens or (8 if a.small else 128)
     a.prompt_min = a.prompt_min or (8 if a.small else 64)
     a.prompt_max = a.prompt_max or (24 if a.small else 256)
-    a.steps_per_call = a.steps_per_call or (8 if a.small else 16)
+    a.steps_per_call = a.steps_per_call or 8
     if a.prompt_max + a.new_tokens > a.max_context:
         p.error(f"--prompt-max + --new-tokens ({a.prompt_max + a.new_tokens}) over --max-context {a.max_context}")
     return a

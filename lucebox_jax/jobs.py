@@ -642,7 +642,8 @@ def add_job_arguments(p):
     g.add_argument("--batch-size", type=int, default=None,
                    help="decode slots (requests generated at once; default: 8 on the CPU, from free memory on a GPU)")
     g.add_argument("--steps-per-call", type=int, default=None,
-                   help="decode steps per device call between checks for finished requests (default 8 CPU, 16 GPU)")
+                   help="decode steps per device call between checks for finished requests (default: jobs 8 CPU, "
+                        "16 GPU; --serve 8)")
     g.add_argument("--spec-max-slots", type=int, default=None,
                    help="with --draft: speculate only with at most this many slots (default 32)")
 

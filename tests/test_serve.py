@@ -375,6 +375,23 @@ def test_serve_flags_fail_before_loading():
     assert main(["--serve", "--draft", "ngram", "--num-draft", "auto"]) == 2
     assert main(["--serve", "--port", "70000"]) == 2
     assert main(["--serve", "--batch-size", "0"]) == 2
+    assert main(["--serve", "--keep-alive", "0"]) == 2
+
+
+def test_idle_connection_outlives_pooled_clients_expiry(server):
+    """A keep-alive connection idle for 6 s still serves its next request: pooled clients (httpx, the openai client)
+    reuse idle connections for up to 5 s, uvicorn's own default; at equal timeouts a reused connection can be closed
+    under a new request (an httpx.ReadError in the H200 benchmark at 128 clients, 2026-12-04)."""
+    conn = http.client.HTTPConnection("127.0.0.1", server, timeout=30)
+    try:
+        for wait in (0, 6.0):
+            time.sleep(wait)
+            conn.request("GET", "/health")
+            r = conn.getresponse()
+            assert r.status == 200 and json.loads(r.read())["slots"] == SLOTS
+            assert r.getheader("connection", "").lower() != "close"
+    finally:
+        conn.close()
 
 
 def test_speculating_server_answers_like_plain_greedy(model_path, llm):

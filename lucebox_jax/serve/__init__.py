@@ -29,6 +29,10 @@ def add_serve_arguments(p):
                         "a compile (default on a GPU; later starts reuse jax's compilation cache); basic: one tiny "
                         "request (default on the CPU, where compiles are slow)")
     g.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (default 1024 KiB)")
+    g.add_argument("--keep-alive", type=float, default=30.0,
+                   help="seconds an idle HTTP connection is kept open (default 30). Longer than the 5 s for which "
+                        "pooled clients (httpx, so the openai client) reuse an idle connection: at uvicorn's default "
+                        "of 5 s the two expire together and a reused connection can be closed under a new request")
 
 
 def _model_name(args) -> str:
@@ -54,6 +58,8 @@ def run_serve_from_args(args) -> int:
         raise JobError(why)
     if not 0 <= args.port <= 65535:
         raise JobError(f"--port must be in 0..65535, got {args.port}")
+    if not args.keep_alive > 0:
+        raise JobError(f"--keep-alive must be > 0 seconds, got {args.keep_alive}")
     for flag, lo in (("batch_size", 1), ("steps_per_call", 1), ("max_queue", 1), ("max_body_kb", 1),
                      ("max_context", 2)):
         v = getattr(args, flag)
@@ -84,7 +90,9 @@ def run_serve_from_args(args) -> int:
         from ..spec_batch import BatchSpec
 
         spec = BatchSpec.from_decoder(llm.spec, max_slots=getattr(args, "spec_max_slots", None))
-    steps = args.steps_per_call or (16 if gpu else 8)
+    # 8 on the GPU too (batch jobs: 16): a request arriving mid-call waits for the running call, and on the H200 at 32
+    # clients 8 steps answered first tokens in 71 ms p50 against 16 steps' 117 ms (benchmarks/RESULTS.md, issue 15)
+    steps = args.steps_per_call or 8
     # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
     sys.setswitchinterval(5e-4)
     engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue, spec=spec)
@@ -102,6 +110,6 @@ def run_serve_from_args(args) -> int:
         print(f"warning: bound to {args.host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=2)
+                timeout_graceful_shutdown=2, timeout_keep_alive=args.keep_alive)
     engine.stop()
     return 0
