@@ -19,9 +19,10 @@ if [ "${NCU:-0}" = 1 ]; then
     python3 benchmarks/ncu_mgpu.py ${NCU_CASES:-gate_up down} --reps 1 > "$OUT/ncu.log" 2>&1
   grep -E "case |  [a-z_0-9]+ \(|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
 fi
-# by default: the stage-skipping probes (time by differences), independent accumulator chains, the scale applied
-# after the wgmma
-DEFAULT_VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"chains":2};{"chains":4};{"scale_after":true}'
+# by default (round 6): what bounds the skeleton, on the tabled (scale_after) configurations: no x^T copy; the TMA
+# pipeline and barriers alone, as tabled, deeper, and with larger boxes (round 5 timed skip_scale / skip_convert,
+# chains and scale_after: VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"chains":2};{"scale_after":true}')
+DEFAULT_VARIANTS='{"probe":"skip_x"};{"probe":"skip_mma"};{"probe":"skip_mma","steps":8};{"probe":"skip_mma","groups":4,"steps":2};{"probe":"skip_mma","split_k":2}'
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   for c in ${CASES:-gate_up down qkv o}; do

@@ -68,7 +68,9 @@ LOADS = ("narrow", "wide", "perm")
 # Variants that leave one stage out, to place the kernel's time by differences (ncu segfaulted on this kernel):
 #   skip_scale    codes converted and fed to wgmma unscaled (no scale / offset loads, multiplies or adds)
 #   skip_convert  wgmma gets zeros: no code loads from shared memory, no conversion, no scaling (TMA still copies)
-PROBES = ("", "skip_scale", "skip_convert")
+#   skip_x        the x^T tile is not copied: the wgmmas read a scratch tile (codes, scales as in the kernel)
+#   skip_mma      a step does nothing: the TMA pipeline and its barriers alone (what the skeleton can stream)
+PROBES = ("", "skip_scale", "skip_convert", "skip_x", "skip_mma")
 
 
 @jax.tree_util.register_dataclass
@@ -289,13 +291,16 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     out_bits = jnp.dtype(out_dtype).itemsize * 8
     out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
-    after = cfg.scale_after and w.offsets is None and not cfg.probe
+    scaled = cfg.probe not in ("skip_scale", "skip_convert")  # (skip_x and skip_mma keep the kernel's scaling)
+    after = cfg.scale_after and w.offsets is None and scaled
     wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     loads = load_mode(cfg, w)
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 
-    def kernel(x_gmem, c_gmem, s_gmem, *rest, out_smem, a_smem=None):
+    copy_x = cfg.probe != "skip_x"
+
+    def kernel(x_gmem, c_gmem, s_gmem, *rest, out_smem, a_smem=None, x_scratch=None):
         if asym:
             mn_gmem, out_gmem = rest
         else:
@@ -308,13 +313,14 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             ]
             if asym:
                 specs.append(plgpu.BlockSpec((gps, cta_m), lambda s: (s, 0)))
-            specs.append(plgpu.BlockSpec((gps * g, tt), lambda s: (s, 0), transforms=x_tf))
+            if copy_x:
+                specs.append(plgpu.BlockSpec((gps * g, tt), lambda s: (s, 0), transforms=x_tf))
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps_per_split,), memory_registers=40, in_specs=specs, wg_axis="wg",
                 num_compute_wgs=wgs, max_concurrent_steps=cfg.steps, compute_context=context)
 
         ignore = lambda *_, **__: None  # noqa: E731
-        gmem_args = (c_gmem, s_gmem) + ((mn_gmem,) if asym else ()) + (x_gmem,)
+        gmem_args = (c_gmem, s_gmem) + ((mn_gmem,) if asym else ()) + ((x_gmem,) if copy_x else ())
 
         @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*gmem_args),
                            collective_axes="wg")
@@ -363,10 +369,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         store(acc_ref[...])
 
                 def body(_, c_smem, s_smem, *refs):
+                    refs = refs if copy_x else refs[:-1] + (x_scratch, refs[-1])
                     if asym:
                         mn_smem, x_smem, acc_ref = refs
                     else:
                         x_smem, acc_ref = refs
+                    if cfg.probe == "skip_mma":
+                        return acc_ref
                     row_layout = plgpu.Layout.WGMMA.reduce(1)
 
                     def operand(j):  # group j's [tm, g] codes in wgmma's register layout, scaled unless `after`
@@ -382,12 +391,12 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         else:
                             wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                             wq = _as_wgmma_layout(wq.astype(jnp.bfloat16))
-                        if cfg.probe or after:
+                        if not scaled or after:
                             wv = wq
                         else:
                             sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                             wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
-                        if asym and not cfg.probe:  # (`after` is never asymmetric)
+                        if asym and scaled:  # (`after` is never asymmetric)
                             off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                             wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
                         if lhs_smem:  # (one buffer per group: a later group must not overwrite an unread one)
@@ -428,7 +437,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 args = [c_gmem.at[grp, rows, :], s_gmem.at[grp, rows]]
                 if asym:
                     args.append(mn_gmem.at[grp, rows])
-                args.append(x_gmem.at[kr, toks])
+                if copy_x:
+                    args.append(x_gmem.at[kr, toks])
                 pipeline(body, context)(*args, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -447,7 +457,9 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                                              and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tm, tt), out_dtype, transforms=out_tf),
                            **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
-                              if lhs_smem else {})),
+                              if lhs_smem else {}),
+                           **({} if copy_x else {"x_scratch": plgpu.SMEM((gps * g, tt), jnp.bfloat16,
+                                                                         transforms=x_tf)})),
     )
     args = (xt, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)

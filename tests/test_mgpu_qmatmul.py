@@ -150,6 +150,23 @@ def test_timing_probes_lower_for_h200(probe, loads):
     assert "probe" in mg.check_config(k, n, g, 4, dataclasses.replace(cfg, probe="skip_all"))
 
 
+@pytest.mark.parametrize("probe", ["skip_x", "skip_mma"])
+def test_skeleton_probes_lower_with_scale_after(probe):
+    """The probes that keep the kernel's scaling (`skip_x`: no x^T copy, `skip_mma`: the pipeline alone) lower with
+    `scale_after` on symmetric weights, the Hopper table's configuration, with two groups per step."""
+    import dataclasses
+
+    sds = jax.ShapeDtypeStruct
+    k, n, g = 4096, 4096, 128
+    cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads="perm", probe=probe, scale_after=True, groups=2)
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16), offsets=None,
+                      group_size=g, bits=4, k_perm=True)
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+
+
 def test_scale_after_interpret_matches_reference_and_lowers():
     """`scale_after` (symmetric weights): wgmma on the raw codes per group, the scale applied to the float32 partial
     sums. Interpreted on the CPU against the float32 product, and lowered for an abstract H200 (perm loads)."""
