@@ -50,7 +50,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF or checkpoint (default: the embedded model)")
     p.add_argument("--clients", default=None, help="comma list (default 1,8,32,128; --small: 1,4)")
-    p.add_argument("--requests-per-client", type=int, default=None, help="default 4 (--small: 2)")
+    p.add_argument("--requests-per-client", type=int, default=None,
+                   help="default 8: a longer run, where all clients starting at once and the last requests finishing "
+                        "alone weigh less (--small: 2)")
     p.add_argument("--min-requests", type=int, default=8, help="at least this many requests per level")
     p.add_argument("--new-tokens", type=int, default=None, help="default 128 (--small: 8)")
     p.add_argument("--prompt-min", type=int, default=None, help="default 64 (--small: 8)")
@@ -64,7 +66,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     a.clients = [int(x) for x in (a.clients or ("1,4" if a.small else "1,8,32,128")).split(",")]
-    a.requests_per_client = a.requests_per_client or (2 if a.small else 4)
+    a.requests_per_client = a.requests_per_client or (2 if a.small else 8)
     a.new_tokens = a.new_tokens or (8 if a.small else 128)
     a.prompt_min = a.prompt_min or (8 if a.small else 64)
     a.prompt_max = a.prompt_max or (24 if a.small else 256)
