@@ -32,6 +32,9 @@ def fake_packages(tmp_path, monkeypatch):
         (root / f"{m.package}_part{i}").mkdir()
         (root / f"{m.package}_part{i}" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(root))
+    # the real packages may be installed and already imported by an earlier test of this process: the fakes must win
+    for mod in [k for k in sys.modules if k.startswith(m.package)]:
+        monkeypatch.delitem(sys.modules, mod)  # (put back after the test)
     monkeypatch.setenv("LUCEBOX_MODELS_DIR", str(tmp_path / "models"))
     yield pkg
     for mod in [k for k in sys.modules if k.startswith(m.package)]:
