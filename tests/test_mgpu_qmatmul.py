@@ -132,39 +132,25 @@ def test_identical_kernels_lower_to_one_module():
 
 
 @pytest.mark.parametrize("probe", [p for p in mg.PROBES if p])
-@pytest.mark.parametrize("loads", ["perm", "narrow"])
-def test_timing_probes_lower_for_h200(probe, loads):
+@pytest.mark.parametrize("loads,sym", [("perm", False), ("narrow", False), ("perm", True)])
+def test_timing_probes_lower_for_h200(probe, loads, sym):
     """The stage-skipping variants that place the kernel's time by differences lower under both semantics (Lane for
-    `perm`, Warpgroup for the others); an unknown probe is refused."""
+    `perm`, Warpgroup for the others), and on symmetric weights with the Hopper table's `scale_after` and two groups
+    per step (the configuration the skeleton probes `skip_x` and `skip_mma` keep); an unknown probe is refused."""
     import dataclasses
 
     sds = jax.ShapeDtypeStruct
     k, n, g = 4096, 4096, 128
-    cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads=loads, probe=probe)
+    cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads=loads, probe=probe,
+                              **({"scale_after": True, "groups": 2} if sym else {}))
     w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16),
-                      offsets=sds((k // g, n), jnp.float16), group_size=g, bits=4, k_perm=loads == "perm")
+                      offsets=None if sym else sds((k // g, n), jnp.float16), group_size=g, bits=4,
+                      k_perm=loads == "perm")
     with abstract_h200():
         txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
             sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt
     assert "probe" in mg.check_config(k, n, g, 4, dataclasses.replace(cfg, probe="skip_all"))
-
-
-@pytest.mark.parametrize("probe", ["skip_x", "skip_mma"])
-def test_skeleton_probes_lower_with_scale_after(probe):
-    """The probes that keep the kernel's scaling (`skip_x`: no x^T copy, `skip_mma`: the pipeline alone) lower with
-    `scale_after` on symmetric weights, the Hopper table's configuration, with two groups per step."""
-    import dataclasses
-
-    sds = jax.ShapeDtypeStruct
-    k, n, g = 4096, 4096, 128
-    cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads="perm", probe=probe, scale_after=True, groups=2)
-    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16), offsets=None,
-                      group_size=g, bits=4, k_perm=True)
-    with abstract_h200():
-        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
-            sds((1, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in txt
 
 
 def test_scale_after_interpret_matches_reference_and_lowers():
