@@ -177,13 +177,9 @@ def bench_server_level(a, n, out_dir, deadline):
         # warm-up (compiles are not what this measures): every prefill group size at the shortest, middle and
         # longest prompt, then the whole workload with 2 new tokens each
         longest = max((ids for per in prompts for ids in per), key=len)
-        warm_failed = []
-        for size in sorted({min(p, n) for p in (1, 2, 4, 8)}):
-            for length in sorted({a.prompt_min, (a.prompt_min + a.prompt_max) // 2, a.prompt_max}):
-                got, _ = asyncio.run(run_clients(port, [[longest[:length]] for _ in range(size)], 2))
-                warm_failed += [r["error"] for r in got if r.get("error")]
-        got, _ = asyncio.run(run_clients(port, prompts, 2))
-        warm_failed += [r["error"] for r in got if r.get("error")]
+        warm = [[[longest[:length]] for _ in range(size)] for size in sorted({min(p, n) for p in (1, 2, 4, 8)})
+                for length in sorted({a.prompt_min, (a.prompt_min + a.prompt_max) // 2, a.prompt_max})] + [prompts]
+        warm_failed = [r["error"] for w in warm for r in asyncio.run(run_clients(port, w, 2))[0] if r.get("error")]
         t_warm = time.perf_counter() - t0
         before = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
         reqs, wall = asyncio.run(run_clients(port, prompts, a.new_tokens))
