@@ -35,6 +35,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from lucebox_jax import quant  # noqa: E402
+
 T0 = time.time()
 TEMPLATES = [
     "Explain how {t} works in three sentences.",
@@ -164,7 +166,8 @@ def main(argv=None):
     eng, drafters, make_prompts, stops = setup(args)
     RESULTS["config"] = {"model": "tiny (random)" if args.tiny else (args.model or "embedded"), "k": args.k,
                          "max_tokens": max_tokens, "per_slot": args.per_slot, "steps": steps,
-                         "dtype": eng.cfg.dtype, "default_max_slots": DEFAULT_MAX_SLOTS}
+                         "dtype": eng.cfg.dtype, "default_max_slots": DEFAULT_MAX_SLOTS,
+                         "row_invariant": quant.ROW_INVARIANT}
     rows = []
     for slots in slot_counts:
         ids = make_prompts(args.per_slot * slots)

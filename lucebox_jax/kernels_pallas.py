@@ -14,7 +14,7 @@ import logging
 
 import jax
 
-from . import kernels_xla, ops
+from . import kernels_xla, ops, quant
 
 log = logging.getLogger(__name__)
 
@@ -42,33 +42,40 @@ else:
     def _on(op: str) -> tuple[str, ...]:
         return ("gpu",) if _GPU_DEFAULT[op] else ()
 
+    def _invariant() -> bool:
+        return quant.ROW_INVARIANT  # read at trace time (tests patch it)
+
+    def _to_xla(m: int) -> bool:
+        """Many rows go to XLA's dequantize + dot, except in row-invariant mode (one kernel for every M)."""
+        return m > _PALLAS_MAX_M and not _interpret() and not _invariant()
+
     @ops.register("qmatmul", "pallas", default_on=_on("qmatmul"))
     def qmatmul_pallas_op(x, w):
         k = x.shape[-1]
-        if not _pow2(w.group_size) or (k // 2) % w.group_size:
+        if not _pow2(w.group_size) or (k // 2) % w.group_size or _to_xla(x.shape[0]):
             return kernels_xla.qmatmul_xla(x, w)
-        if x.shape[0] > _PALLAS_MAX_M and not _interpret():
-            return kernels_xla.qmatmul_xla(x, w)
-        return qmatmul_pallas(x, w, interpret=_interpret())
+        return qmatmul_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
 
     @ops.register("qmatmul8", "pallas", default_on=_on("qmatmul8"))
     def qmatmul8_pallas_op(x, w):
         k = x.shape[-1]
-        if w.group_size < 16 or k % w.group_size or (x.shape[0] > _PALLAS_MAX_M and not _interpret()):
+        if w.group_size < 16 or k % w.group_size or _to_xla(x.shape[0]):
             return kernels_xla.qmatmul8_xla(x, w)
-        return qmatmul8_pallas(x, w, interpret=_interpret())
+        return qmatmul8_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
 
     def _windowed(k, window) -> bool:
         return window is not None and window < k.shape[2]
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
-    def attention_decode_pallas_op(q, k, v, lengths, *, scale, window=None):
+    def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None):
         if not _pow2(q.shape[-1]) or _windowed(k, window):
-            return kernels_xla.attention_decode_xla(q, k, v, lengths, scale=scale, window=window)
-        return attention_decode_pallas(q, k, v, lengths, scale=scale, interpret=_interpret())
+            return kernels_xla.attention_decode_xla(q, k, v, lengths, rows, scale=scale, window=window)
+        return attention_decode_pallas(q, k, v, lengths, rows, scale=scale, interpret=_interpret(),
+                                       row_invariant=_invariant())
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
     def attention_prefill_pallas_op(q, k, v, start, *, scale, window=None):
         if not _pow2(q.shape[-1]) or _windowed(k, window):
             return kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale, window=window)
-        return attention_prefill_pallas(q, k, v, start, scale=scale, interpret=_interpret())
+        return attention_prefill_pallas(q, k, v, start, scale=scale, interpret=_interpret(),
+                                        row_invariant=_invariant())

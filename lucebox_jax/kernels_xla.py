@@ -49,6 +49,8 @@ def attention_prefill_xla(q, k, v, start, *, scale, window: int | None = None):
 
 
 @ops.register("attention_decode", "xla", default_on=("cpu",))
-def attention_decode_xla(q, k, v, lengths, *, scale, window: int | None = None):
+def attention_decode_xla(q, k, v, lengths, rows=None, *, scale, window: int | None = None):
+    if rows is not None:  # query row b reads cache row rows[b]
+        k, v = k[rows], v[rows]
     out = attention_prefill_xla(q[:, None], k, v, lengths - 1, scale=scale, window=window)
     return out[:, 0]

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from . import ops
+from . import ops, quant
 from .config import ModelConfig
 from .ops import KernelSet
 from .quant import linear
@@ -158,7 +158,7 @@ def tree_attention(q, kc, vc, n_visible, k_win, v_win, anc, scale):
 
 
 def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None,
-            hidden_layers: tuple | None = None, tree=None):
+            hidden_layers: tuple | None = None, tree=None, verify: bool = False):
     """Run `tokens` [B, T] at absolute positions start[b] + t; write their K/V into the cache.
 
     Returns (logits, cache). `cache.lengths` is left unchanged: the caller decides how far each row advances.
@@ -167,6 +167,9 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     after each of those layers at every position, concatenated (draft heads read it; see drafters/eagle.py).
     tree: (depth [B, T], anc [B, T, T]) for a token tree (speculative tree verify): token t sits at position
     start + depth[t] but in cache slot start + t, and sees committed slots < start plus its ancestors `anc[t]`.
+    verify: the tokens are a speculative verify; with quant.ROW_INVARIANT each position's attention then runs as a
+    decode row of its own (the decode kernel over that row's cache prefix), so it rounds exactly as a plain decode
+    step would (the matmul kernels are row-invariant in that mode too).
     """
     b, t = tokens.shape
     dt = jnp.dtype(cfg.dtype)
@@ -178,9 +181,10 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         x = (x.astype(jnp.float32) * cfg.embed_scale).astype(dt)
     new_k, new_v = [], []
     decode = t == 1
+    as_decode = verify and t > 1 and tree is None and quant.ROW_INVARIANT  # read at trace time
     hidden = [None] * len(hidden_layers or ())
-    attn = ops.get("attention_decode" if decode else "attention_prefill",
-                   kernels.attention_decode if decode else kernels.attention_prefill)
+    attn = ops.get("attention_decode" if decode or as_decode else "attention_prefill",
+                   kernels.attention_decode if decode or as_decode else kernels.attention_prefill)
     for i, lw in enumerate(w.layers):
         h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
         qkv = linear(h, lw.wqkv, lw.bqkv, kernels=kernels)
@@ -202,6 +206,10 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             o = tree_attention(q, kc, vc, start, k, v, tree[1], scale)
         elif decode:
             o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
+        elif as_decode:  # B * T decode rows: row (b, t) reads cache row b up to position start + t
+            lens = (positions + 1).reshape(b * t)
+            rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+            o = attn(q.reshape(b * t, hq, hd), kc, vc, lens, rows, scale=scale, **extra).reshape(b, t, hq, hd)
         else:
             o = attn(q, kc, vc, start, scale=scale, **extra)
         o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)

@@ -210,11 +210,13 @@ def concat_n(ws: list):
                        mins=mins, group_size=g)
 
 
-# XLA's CPU dot takes a matrix-vector path for a single row and a matrix-matrix path for more, and the two round
-# differently (float32: most outputs differ in the last bit; bfloat16: about 1 in 10^4 after rounding). A batch-1
-# decode step and a speculative verify (K + 1 rows) then disagree, and in bfloat16 greedy tokens flip. With
-# LUCEBOX_ROW_INVARIANT=1 (read at import) a single row is computed as two, so a row's result does not depend on how
-# many rows share the call; it costs about a third of the CPU decode speed, hence off by default.
+# A row's result can depend on how many rows share a call: XLA's CPU dot takes a matrix-vector path for one row
+# (float32: most outputs differ in the last bit; bfloat16: about 1 in 10^4 after rounding), and the Pallas kernels
+# pick tiles, split-K and attention splits by the row count. A decode step and a speculative verify (K + 1 rows)
+# then disagree, and in bfloat16 greedy tokens flip. With LUCEBOX_ROW_INVARIANT=1 (read at import) a single row is
+# computed as two here on the CPU, the Pallas kernels use one configuration for every row count (kernels_pallas),
+# and a verify runs its attention as decode rows (model.forward(verify=)). It costs speed (CPU: about a third of
+# decode; GPU: benchmarks/RESULTS.md), hence off by default. Not covered: the `mgpu` kernel, tree verify, XLA's GPU dot.
 ROW_INVARIANT = os.environ.get("LUCEBOX_ROW_INVARIANT", "0") == "1"
 
 

@@ -173,9 +173,9 @@ def spec_decode_chunk(cfg, kernels, drafter, weights, dparams, state, retire, ex
         hidden = None
         if drafter.hidden_layers:
             logits, cache, hidden = forward(cfg, kernels, weights, cache, window, start,
-                                            hidden_layers=drafter.hidden_layers)
+                                            hidden_layers=drafter.hidden_layers, verify=True)
         else:
-            logits, cache = forward(cfg, kernels, weights, cache, window, start)
+            logits, cache = forward(cfg, kernels, weights, cache, window, start, verify=True)
         on = sp.on & live
         n, nxt = accept_tokens(logits, drafts, q, st.rp, start + 1, st.seen)
         plain = sample(logits[:, 0], st.rp, start + 1, st.seen)  # exactly the plain decode step's draw

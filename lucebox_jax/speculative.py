@@ -154,9 +154,10 @@ def _verify(cfg, kernels, weights, cache: KVCache, tok, drafts, q, rp, seen, act
     tokens = jnp.concatenate([tok[:, None], drafts], axis=1)  # positions start .. start + K
     hidden = None
     if hidden_layers:
-        logits, cache, hidden = forward(cfg, kernels, weights, cache, tokens, start, hidden_layers=hidden_layers)
+        logits, cache, hidden = forward(cfg, kernels, weights, cache, tokens, start, hidden_layers=hidden_layers,
+                                        verify=True)
     else:
-        logits, cache = forward(cfg, kernels, weights, cache, tokens, start)  # [B, K+1, V]
+        logits, cache = forward(cfg, kernels, weights, cache, tokens, start, verify=True)  # [B, K+1, V]
     n, nxt = accept_tokens(logits, drafts, q, rp, start + 1, seen)
     return _verify_out(logits, drafts, n, nxt, hidden, cache, start, active, n_logprobs)
 

@@ -9,6 +9,11 @@ chunk of K and V once, in [block_k, D] tiles, with an online softmax in float32 
 scale), and stops at the row's length: kv tiles past `lengths[b]` are never read.  With n_split > 1 each program
 writes an unnormalised partial (acc, running max, running sum) and a small jnp combine merges the splits; with
 n_split == 1 the kernel normalises and writes the output itself.
+
+`rows` [B] (optional) maps query row b to cache row rows[b], so several query rows can read one cache row: a
+speculative verify of T positions runs as B * T decode rows.  `row_invariant=True` fixes n_split by the cache shape
+alone (as for one row) and merges the splits in order, so a row's output does not depend on how many rows share
+the call (lucebox_jax.quant.ROW_INVARIANT).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from .int4_matmul import ordered_sum
 
 __all__ = ["attention_decode", "attention_decode_reference", "attention_decode_pallas"]
 
@@ -36,8 +43,9 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, seq, qk_scale, n_split):
+def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, seq, qk_scale, n_split):
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    kb = row_ref[b]  # the cache row this query row reads
     length = jnp.minimum(len_ref[b], seq)
     start = sp * chunk
     end = jnp.minimum(start + chunk, length)
@@ -53,14 +61,14 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, seq, qk_s
         k0 = pl.multiple_of(start + i * bk, bk)
         kpos = k0 + jnp.arange(bk)
         kmask = kpos < end
-        k = plgpu.load(k_ref.at[b, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
+        k = plgpu.load(k_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [bh, bk], log2 units
         s = jnp.where(kmask[None, :], s, _NEG)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
-        v = plgpu.load(v_ref.at[b, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
+        v = plgpu.load(v_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
@@ -86,15 +94,18 @@ def default_config(b: int, hkv: int, s: int, d: int) -> dict:
 
 @functools.partial(
     jax.jit,
-    static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs"),
+    static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
+                     "row_invariant"),
 )
 def attention_decode(
-    q, k, v, lengths, *, scale: float, block_k: int = 64, n_split: int | None = None, num_warps: int = 4,
-    num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
+    q, k, v, lengths, rows=None, *, scale: float, block_k: int = 64, n_split: int | None = None, num_warps: int = 4,
+    num_stages: int = 3, interpret: bool = False, min_programs: int = 264, row_invariant: bool = False,
 ):
-    """q [B, Hq, D], k/v [B, Hkv, S, D], lengths [B] int32 -> [B, Hq, D] (q.dtype)."""
+    """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
+    row b reads cache row b) -> [B, Hq, D] (q.dtype)."""
     bsz, hq, d = q.shape
     _, hkv, seq, _ = k.shape
+    rows = jnp.arange(bsz, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     g = hq // hkv
     assert g * hkv == hq and d & (d - 1) == 0, (q.shape, k.shape)
     bh = max(16, _next_pow2(g))
@@ -102,7 +113,7 @@ def attention_decode(
     max_split = _cdiv(seq, bk)
     if n_split is None:
         n_split = 1
-        while bsz * hkv * n_split < min_programs and n_split * 2 <= max_split:
+        while (1 if row_invariant else bsz) * hkv * n_split < min_programs and n_split * 2 <= max_split:
             n_split *= 2
     n_split = max(1, min(n_split, max_split))
     chunk = _cdiv(_cdiv(seq, n_split), bk) * bk
@@ -127,20 +138,23 @@ def attention_decode(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="attention_decode",
-    )(lengths, qg, k, v)
+    )(lengths, rows, qg, k, v)
     if n_split == 1:
         return outs[0].reshape(bsz, hq, d)
     o, m, l = outs
     m_max = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_max)  # [B, Hkv, ns, G]
-    l_tot = jnp.sum(w * l, axis=2)
-    o_tot = jnp.sum(w[..., None] * o, axis=2)
+    add = (lambda t: ordered_sum(jnp.moveaxis(t, 2, 0))) if row_invariant else (lambda t: jnp.sum(t, axis=2))
+    l_tot = add(w * l)
+    o_tot = add(w[..., None] * o)
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
     return out.reshape(bsz, hq, d).astype(q.dtype)
 
 
-def attention_decode_reference(q, k, v, lengths, *, scale: float):
-    """Plain jnp, float32: row b attends to cache positions < lengths[b]."""
+def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
+    """Plain jnp, float32: row b attends to cache row rows[b] (default b), positions < lengths[b]."""
+    if rows is not None:
+        k, v = k[rows], v[rows]
     bsz, hq, d = q.shape
     hkv, seq = k.shape[1], k.shape[2]
     qg = q.reshape(bsz, hkv, hq // hkv, d).astype(jnp.float32)
@@ -152,12 +166,12 @@ def attention_decode_reference(q, k, v, lengths, *, scale: float):
     return o.reshape(bsz, hq, d).astype(q.dtype)
 
 
-def attention_decode_pallas(q, k, v, lengths, *, scale, interpret: bool | None = None, **overrides):
+def attention_decode_pallas(q, k, v, lengths, rows=None, *, scale, interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1])
     cfg.update(overrides)
-    return attention_decode(q, k, v, lengths, scale=float(scale), interpret=interpret, **cfg)
+    return attention_decode(q, k, v, lengths, rows, scale=float(scale), interpret=interpret, **cfg)
 
 
 del math

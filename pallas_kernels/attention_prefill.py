@@ -136,9 +136,12 @@ def attention_prefill_reference(q, k, v, start, *, scale: float):
     return o.reshape(bsz, t_len, hq, d).astype(q.dtype)
 
 
-def attention_prefill_pallas(q, k, v, start, *, scale, interpret: bool | None = None, **overrides):
+def attention_prefill_pallas(q, k, v, start, *, scale, interpret: bool | None = None, row_invariant: bool = False,
+                             **overrides):
+    """row_invariant: the tiles of a long window for every T (block_k depends on T otherwise), so a query's output
+    does not depend on the window it was prefilled in (lucebox_jax.quant.ROW_INVARIANT)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    cfg = default_config(q.shape[1], q.shape[2] // k.shape[1])
+    cfg = default_config(64 if row_invariant else q.shape[1], q.shape[2] // k.shape[1])
     cfg.update(overrides)
     return attention_prefill(q, k, v, start, scale=float(scale), interpret=interpret, **cfg)

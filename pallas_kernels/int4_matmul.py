@@ -28,8 +28,9 @@ Accumulation variants, `mode=`:
 Scales when block_k > g (`scales_mode=`): "tile" loads [block_k/g, block_n] scales (and mins) per step and
 broadcasts them to [block_k, block_n] in registers; "gather" loads [block_k, block_n] per-row gathers (the old way:
 pipelined through shared memory, which overflows).  With no masks when block_n divides N.
-Split-K reduction (`reduce=`): "xla" writes float32 partials [split_k, M, N] summed by XLA; "atomic" atomically adds
-into one zeroed float32 [M, N] buffer (then one cast).  Tuned configs: see `default_config` / `tuned_config`.
+Split-K reduction (`reduce=`): "xla" writes float32 partials [split_k, M, N] summed by XLA; "ordered" the same
+partials summed in split order (`ordered_sum`); "atomic" atomically adds into one zeroed float32 [M, N] buffer (then
+one cast).  Tuned configs: see `default_config` / `tuned_config`.
 In interpret mode (CPU) "asm" is replaced by the plain-jnp decode (same function up to bf16 rounding), and
 "asm_fma" (or "asm_fma" with another mode) by "f32", the same float32 arithmetic.
 """
@@ -48,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 __all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "tuned_config", "qmatmul_pallas",
-           "split_plan", "row_masks"]
+           "split_plan", "row_masks", "ordered_sum", "row_invariant_config"]
 
 
 def _pow2_floor(v: int) -> int:
@@ -68,6 +69,15 @@ def row_masks(m0, bm: int, m_rows: int, cmask, ragged: bool, store: dict):
     rmask = (m0 + jnp.arange(bm)) < m_rows
     mask = rmask[:, None] & cmask[None, :] if ragged else jnp.broadcast_to(rmask[:, None], (bm, cmask.shape[0]))
     return rmask, dict(mask=mask)
+
+
+def ordered_sum(parts):
+    """parts [S, ...] summed in index order, one add after another (an XLA reduce may tile the sum differently for
+    different shapes; this order depends on S alone, so a row's result does not depend on how many rows share it)."""
+    out = parts[0]
+    for i in range(1, parts.shape[0]):
+        out = out + parts[i]
+    return out
 
 
 def split_plan(n_tiles: int, programs: int, split_k: int | None, min_programs: int) -> tuple[int, int]:
@@ -416,7 +426,7 @@ def int4_matmul(
     assert k == 2 * k_half, (x.shape, codes.shape)
     assert k_half % g == 0 and (g % block_k == 0 or block_k % g == 0), (k_half, g, block_k)
     assert k_half % block_k == 0, (k_half, block_k)
-    assert mode in ("dot", "dot_t", "fma", "fma_r") and reduce in ("xla", "atomic"), (mode, reduce)
+    assert mode in ("dot", "dot_t", "fma", "fma_r") and reduce in ("xla", "ordered", "atomic"), (mode, reduce)
     assert scales_mode in ("tile", "gather"), scales_mode
     if decode == "asm" and (interpret or x.dtype != jnp.bfloat16):
         decode = "asm_emulated" if x.dtype == jnp.bfloat16 else "f32"
@@ -464,7 +474,7 @@ def int4_matmul(
     if atomic:
         out = out[:m, :n]
     elif out_partial:
-        out = jnp.sum(out, axis=0)
+        out = ordered_sum(out) if reduce == "ordered" else jnp.sum(out, axis=0)
     return out.astype(x.dtype)
 
 
@@ -479,17 +489,31 @@ def int4_matmul_reference(x, codes, scales, mins=None, *, group_size: int):
     return y.astype(x.dtype)
 
 
-def qmatmul_pallas(x, w, *, interpret: bool | None = None, **overrides):
-    """Registry-shaped entry point: x [M, K] @ QuantArray -> [M, N] (x.dtype)."""
+def row_invariant_config(cfg: dict, n_tiles: int, n: int) -> dict:
+    """`cfg` made the same for every M: 16-row dot tiles (no one-row FMA path), the split-K the shape would get at
+    one row block, fixed, and partials summed in order."""
+    cfg = dict(cfg, block_m=16, reduce="ordered")
+    if cfg.get("mode") in ("fma", "fma_r"):
+        cfg.update(mode="dot", decode="asm" if cfg.get("decode") == "asm_fma" else cfg.get("decode", "f32"))
+    cfg["split_k"] = split_plan(n_tiles, _cdiv(n, cfg["block_n"]), cfg.get("split_k"), cfg.get("min_programs", 528))[0]
+    return cfg
+
+
+def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, **overrides):
+    """Registry-shaped entry point: x [M, K] @ QuantArray -> [M, N] (x.dtype). row_invariant: one configuration
+    for every M (`row_invariant_config`)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
     n = w.codes.shape[1]
     g = w.group_size
-    cfg = default_config(m, k, n, g, x.dtype, on_gpu=not interpret, symmetric=w.mins is None)
+    cfg = default_config(16 if row_invariant else m, k, n, g, x.dtype, on_gpu=not interpret,
+                         symmetric=w.mins is None)
     cfg.update(overrides)
     if g & (g - 1) or (k // 2) % g:
         raise ValueError(f"int4_matmul needs a power-of-two group size dividing K/2 (g={g}, K={k})")
     while (k // 2) % cfg["block_k"]:
         cfg["block_k"] //= 2
+    if row_invariant:
+        cfg = row_invariant_config(cfg, (k // 2) // cfg["block_k"], n)
     return int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=interpret, **cfg)

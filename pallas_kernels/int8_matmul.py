@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .int4_matmul import row_masks, split_plan  # the same row masking and split-K sizing
+from .int4_matmul import ordered_sum, row_masks, split_plan  # the same row masking, split-K sizing, ordered sum
 
 __all__ = ["int8_matmul", "int8_matmul_reference", "default_config", "qmatmul8_pallas", "mins_term"]
 
@@ -81,15 +81,16 @@ def default_config(m: int, k: int, n: int, group_size: int) -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("group_size", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                     "interpret", "min_programs"),
+                     "interpret", "min_programs", "reduce"),
 )
 def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None, block_n: int = 128,
                 block_k: int = 64, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                interpret: bool = False, min_programs: int = 264):
+                interpret: bool = False, min_programs: int = 264, reduce: str = "xla"):
     """x [M, K] @ int8 W (codes int8 [K, N], scales float16/float32 [K/g, N]) -> [M, N] in x.dtype.
 
     block_k: rows per loop step, a multiple of group_size dividing K; group_size >= 16 (a tensor-core dot per
-    group); split_k: K splits (None: split until there are `min_programs` programs)."""
+    group); split_k: K splits (None: split until there are `min_programs` programs); reduce: "xla" (partials summed
+    by XLA) | "ordered" (summed in split order, `int4_matmul.ordered_sum`)."""
     m, k = x.shape
     kc, n = codes.shape
     g = group_size
@@ -114,7 +115,7 @@ def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None
         name="int8_matmul",
     )(x, codes, scales)
     if out_partial:
-        out = jnp.sum(out, axis=0)
+        out = ordered_sum(out) if reduce == "ordered" else jnp.sum(out, axis=0)
     return out.astype(x.dtype)
 
 
@@ -133,15 +134,22 @@ def mins_term(x, mins, group_size: int):
     return jnp.dot(xs, mins.astype(jnp.float32), precision=lax.Precision.HIGHEST)
 
 
-def qmatmul8_pallas(x, w, *, interpret: bool | None = None, **overrides):
-    """Registry-shaped entry point: x [M, K] @ Int8Array -> [M, N] (x.dtype); mins through `mins_term`."""
+def qmatmul8_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, **overrides):
+    """Registry-shaped entry point: x [M, K] @ Int8Array -> [M, N] (x.dtype); mins through `mins_term`.
+    row_invariant: one configuration for every M (16-row tiles, the split-K of one row block, ordered sum), so a
+    row's result does not depend on M (weights without mins; `mins_term` is an XLA dot)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
-    cfg = default_config(m, k, w.codes.shape[1], w.group_size)
+    n = w.codes.shape[1]
+    cfg = default_config(m, k, n, w.group_size)
     cfg.update(overrides)
     while k % cfg["block_k"] and cfg["block_k"] > w.group_size:  # e.g. K = 576 with block_k 128
         cfg["block_k"] //= 2
+    if row_invariant:
+        split = split_plan(k // cfg["block_k"], _cdiv(n, cfg["block_n"]), cfg.get("split_k"),
+                           cfg.get("min_programs", 264))[0]
+        cfg.update(block_m=16, split_k=split, reduce="ordered")
     y = int8_matmul(x, w.codes, w.scales, group_size=w.group_size, interpret=interpret, **cfg)
     if w.mins is None:
         return y

@@ -1,7 +1,12 @@
-"""LUCEBOX_ROW_INVARIANT (quant.linear): a one-row matmul on the CPU gives, bit for bit, the first row of the same
-matmul over more rows, so a batch-1 decode step rounds exactly like a speculative verify of K + 1 rows; in bfloat16
-speculative greedy output then equals plain greedy output (without it, XLA's matrix-vector path for one row rounds
-differently and bfloat16 greedy tokens flip on the embedded model: README, "Speculative decoding")."""
+"""LUCEBOX_ROW_INVARIANT: a row's result does not depend on how many rows share the call, so a decode step rounds
+exactly like a speculative verify of K + 1 rows and, in bfloat16, speculative greedy output equals plain greedy
+output (without it, bfloat16 greedy tokens flip: README, "Speculative decoding").
+
+- CPU, `xla` kernels (quant.linear): a one-row matmul is computed as two (XLA's matrix-vector path rounds otherwise).
+- Pallas kernels (the GPU defaults; interpreted here, `gpu`-marked tests on the device): one configuration for every
+  M (16-row tiles, a fixed split-K, partials summed in order); the decode attention kernel with a split count fixed by
+  the cache and an ordered merge; a verify runs each position as a decode row of its own (`model.forward(verify=)`).
+"""
 
 import dataclasses
 
@@ -47,3 +52,154 @@ def test_bf16_speculative_greedy_equals_plain(invariant):
     for d in ("ngram", "layers:1"):
         spec = SpeculativeDecoder(eng, build(d, eng), 4)
         assert [run(eng, spec, [p], 24)[0] for p in ps] == ref, d
+
+
+# ------------------------------------------------------------------------------------------------ Pallas kernels
+def _kernel_rows_equal(dtype, interpret):
+    from pallas_kernels.int4_matmul import qmatmul_pallas
+    from pallas_kernels.int8_matmul import qmatmul8_pallas
+
+    rng = np.random.default_rng(1)
+    k, n = 1024, 704
+    w = rng.standard_normal((k, n)).astype(np.float32) * 0.05
+    x = jnp.asarray(rng.standard_normal((40, k)), dtype)
+    cases = [(qmatmul_pallas, quantize_int4(w, 32)), (qmatmul_pallas, quantize_int4(w, 128, symmetric=True)),
+             (qmatmul8_pallas, quantize_int8(w, 32))]
+    for fn, weight in cases:
+        call = jax.jit(lambda x, fn=fn, weight=weight: fn(x, weight, interpret=interpret, row_invariant=True))
+        ref = np.asarray(call(x[:1])[0], np.float32)
+        for m in (2, 5, 17, 40):
+            got = np.asarray(call(x[:m])[0], np.float32)
+            assert np.array_equal(got, ref), (fn.__name__, weight.group_size, m)
+
+
+def _attention_rows_equal(interpret):
+    """A verify's B * T query rows, each reading its own prefix of a shared cache row, equal one decode call per
+    position (bit for bit), and the reference."""
+    from pallas_kernels.attention_decode import attention_decode_pallas, attention_decode_reference
+
+    rng = np.random.default_rng(2)
+    b, t, hkv, g, s, d = 2, 5, 2, 3, 2048, 64  # without row invariance: 16 splits for 10 rows, 32 for 2
+    k = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((b, t, hkv * g, d)), jnp.bfloat16)
+    start = jnp.asarray([37, 1500], jnp.int32)
+    lens = (start[:, None] + jnp.arange(1, t + 1)[None, :]).reshape(-1)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    fn = jax.jit(lambda q, lens, rows: attention_decode_pallas(q, k, v, lens, rows, scale=0.125, interpret=interpret,
+                                                               row_invariant=True))
+    many = np.asarray(fn(q.reshape(b * t, hkv * g, d), lens, rows), np.float32).reshape(b, t, hkv * g, d)
+    for j in range(t):  # a decode step at batch b for position start + j
+        one = np.asarray(fn(q[:, j], start + j + 1, jnp.arange(b, dtype=jnp.int32)), np.float32)
+        assert np.array_equal(many[:, j], one), j
+    ref = attention_decode_reference(q.reshape(b * t, hkv * g, d), k, v, lens, rows, scale=0.125)
+    np.testing.assert_allclose(many.reshape(b * t, hkv * g, d), np.asarray(ref, np.float32), atol=2e-2)
+
+
+def _prefill_rows_equal(interpret):
+    """A query's prefill attention does not depend on the window length or the batch it was prefilled in."""
+    from pallas_kernels.attention_prefill import attention_prefill_pallas
+
+    rng = np.random.default_rng(5)
+    hkv, g, s, d = 3, 3, 256, 64  # queries at 100.. span two 64-key tiles and one 128-key tile
+    k = jnp.asarray(rng.standard_normal((2, hkv, s, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((2, hkv, s, d)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((2, 40, hkv * g, d)), jnp.bfloat16)
+    fn = jax.jit(lambda q, k, v, st: attention_prefill_pallas(q, k, v, st, scale=0.125, interpret=interpret,
+                                                              row_invariant=True))
+    ref = np.asarray(fn(q[:1, :5], k[:1], v[:1], jnp.asarray([100], jnp.int32)), np.float32)
+    for t in (12, 40):
+        got = np.asarray(fn(q[:, :t], k, v, jnp.asarray([100, 50], jnp.int32)), np.float32)
+        assert np.array_equal(got[:1, :5], ref), t
+
+
+def _verify_equals_decode_steps(kernels):
+    """model.forward(verify=True) over T tokens gives, bit for bit, the logits of T decode steps over them."""
+    from lucebox_jax.model import forward, init_cache
+    from lucebox_jax.synthetic import PRESETS, random_weights
+
+    cfg = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16", dim=128, ffn_dim=256, head_dim=32)
+    w = random_weights(cfg, jax.random.key(7), group_size=32, asymmetric=True)
+    b, t = 2, 5
+    prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (b, 9)), jnp.int32)
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
+    fwd = jax.jit(forward, static_argnames=("cfg", "kernels", "verify"))
+    _, cache = fwd(cfg, kernels, w, init_cache(cfg, b, 64), prompt, jnp.zeros((b,), jnp.int32))
+    start = jnp.full((b,), 9, jnp.int32)
+    many, _ = fwd(cfg, kernels, w, cache, toks, start, verify=True)
+    for j in range(t):
+        one, cache = fwd(cfg, kernels, w, cache, toks[:, j:j + 1], start + j)
+        assert np.array_equal(np.asarray(one[:, 0]), np.asarray(many[:, j])), j
+
+
+def test_pallas_kernels_rows_invariant_interpreted():
+    _kernel_rows_equal(jnp.bfloat16, interpret=True)
+
+
+def test_decode_attention_rows_interpreted():
+    _attention_rows_equal(interpret=True)
+
+
+def test_prefill_attention_rows_interpreted():
+    _prefill_rows_equal(interpret=True)
+
+
+@pytest.mark.parametrize("names", ["xla", "pallas"])
+def test_verify_equals_decode_steps(invariant, names):
+    from lucebox_jax.ops import KernelSet
+
+    ks = KernelSet() if names == "xla" else KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")
+    _verify_equals_decode_steps(ks)
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_kernels_rows_invariant():
+    _kernel_rows_equal(jnp.bfloat16, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_rows():
+    _attention_rows_equal(interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_attention_rows():
+    _prefill_rows_equal(interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_verify_equals_decode_steps(invariant):
+    from lucebox_jax.ops import KernelSet
+
+    _verify_equals_decode_steps(KernelSet.resolve())  # the GPU defaults
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_speculative_batch_job_equals_plain(invariant):
+    """On the GPU (bfloat16, default kernels) a batch job with speculation gives the greedy tokens of the plain job,
+    and of the plain job at another slot count (rows meet other neighbours and other row counts)."""
+    from lucebox_jax import SamplingParams
+    from lucebox_jax.drafters import build
+    from lucebox_jax.engine import Engine
+    from lucebox_jax.ops import KernelSet
+    from lucebox_jax.scheduler import Scheduler, SlotRequest
+    from lucebox_jax.spec_batch import BatchSpec
+    from lucebox_jax.synthetic import PRESETS, random_weights
+
+    cfg = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16", dim=128, ffn_dim=256)
+    eng = Engine(cfg, random_weights(cfg, jax.random.key(5), group_size=32, asymmetric=True), KernelSet.resolve())
+    rng = np.random.default_rng(6)
+    prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (3, 14, 9, 16, 1, 12)]
+    prompts[1] = [5, 6, 7, 8] * 3 + [5, 6]
+    maxes = [5, 40, 16, 30, 9, 24]
+
+    def job(slots, spec=None):
+        reqs = [SlotRequest(i, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), frozenset(), m)
+                for i, (p, m) in enumerate(zip(prompts, maxes))]
+        sched = Scheduler(eng, slots=slots, max_len=256, steps_per_call=4, max_prefill_batch=2, spec=spec)
+        return {f.request.key: f.token_ids for batch in sched.run(reqs) for f in batch}
+
+    plain = job(3)
+    assert job(1) == plain
+    for d in ("ngram", "layers:1"):
+        assert job(3, BatchSpec(build(d, eng), 4, min_accept=0.0)) == plain, d
