@@ -4,7 +4,7 @@
 # job, and check that greedy tokens with the `mgpu` kernels equal those with `xla` (issue 11).
 # The GGUF (98 MB) travels in two halves (.gl/smol.part00 in the call before, copied to /tmp; .gl/smol.part01 now).
 # Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT, logs.tgz)
-# TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, CLIENTS,
+# TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, CLIENTS,
 # EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -27,9 +27,9 @@ if [ "${ROW_INV:-1}" = 1 ]; then
   # without and with LUCEBOX_ROW_INVARIANT=1 (plain tok/s of both: its cost)
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests/test_row_invariant.py -m gpu > "$OUT/ri_tests.log" 2>&1
   tail -3 "$OUT/ri_tests.log"
-  for ri in 0 1; do
+  for ri in ${RI_LEVELS:-0 1}; do
     LUCEBOX_ROW_INVARIANT=$ri timeout 200 python3 benchmarks/bench_spec_batch.py --model "$M" --slots 8 \
-      --drafters "eagle,ngram" --always --budget 150 > "$OUT/spec_batch_ri$ri.log" 2>&1
+      --drafters eagle --always --budget 120 > "$OUT/spec_batch_ri$ri.log" 2>&1
     mv "$OUT/bench_spec_batch.json" "$OUT/spec_batch_ri$ri.json" 2>/dev/null; grep -E "^\| 8 " "$OUT/spec_batch_ri$ri.log"
   done
 fi

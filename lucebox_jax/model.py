@@ -222,12 +222,14 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))
         if hidden_layers is not None and i in hidden_layers:
             hidden[hidden_layers.index(i)] = x
-    if last_only is not None:
-        x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)[:, 0]
+    if last_only is not None:  # kept [B, 1, D]: a reduction over [B, D] may round differently (row invariance)
+        x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)
     x = rms_norm(x, w.final_norm, cfg.rms_eps)
     logits = linear(x, w.head, kernels=kernels).astype(jnp.float32)
     if cfg.final_softcap > 0:
         logits = cfg.final_softcap * jnp.tanh(logits / cfg.final_softcap)
+    if last_only is not None:
+        logits = logits[:, 0]
     cache = KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths)
     if hidden_layers is not None:
         return logits, cache, jnp.concatenate(hidden, axis=-1)

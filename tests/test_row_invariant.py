@@ -9,6 +9,9 @@ output (without it, bfloat16 greedy tokens flip: README, "Speculative decoding")
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -113,23 +116,43 @@ def _prefill_rows_equal(interpret):
         assert np.array_equal(got[:1, :5], ref), t
 
 
-def _verify_equals_decode_steps(kernels):
-    """model.forward(verify=True) over T tokens gives, bit for bit, the logits of T decode steps over them."""
-    from lucebox_jax.model import forward, init_cache
+def _model(preset):
     from lucebox_jax.synthetic import PRESETS, random_weights
 
-    cfg = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16", dim=128, ffn_dim=256, head_dim=32)
-    w = random_weights(cfg, jax.random.key(7), group_size=32, asymmetric=True)
-    b, t = 2, 5
-    prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (b, 9)), jnp.int32)
+    if preset == "tiny":
+        cfg = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16", dim=128, ffn_dim=256, head_dim=32)
+    else:  # the embedded model's shapes (9 query / 3 kv heads, dim 576), random weights
+        cfg = dataclasses.replace(PRESETS[preset], dtype="bfloat16", max_context=1024)
+    return cfg, random_weights(cfg, jax.random.key(7), group_size=32, asymmetric=True)
+
+
+def _verify_equals_decode_steps(kernels, preset="tiny", b=2, last_only=False):
+    """model.forward(verify=True) over T tokens gives, bit for bit, the logits of T decode steps over them (on a
+    difference: the first layer whose residual stream differs, to say where). last_only: the decode steps take
+    the scheduler's last-position path (a gather before the final norm)."""
+    from lucebox_jax.model import forward, init_cache
+
+    _flag_is_on()
+
+    cfg, w = _model(preset)
+    t, n = 5, 9
+    layers = tuple(range(cfg.n_layers))
+    prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (b, n)), jnp.int32)
     toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (b, t)), jnp.int32)
-    fwd = jax.jit(forward, static_argnames=("cfg", "kernels", "verify"))
-    _, cache = fwd(cfg, kernels, w, init_cache(cfg, b, 64), prompt, jnp.zeros((b,), jnp.int32))
-    start = jnp.full((b,), 9, jnp.int32)
-    many, _ = fwd(cfg, kernels, w, cache, toks, start, verify=True)
+    fwd = jax.jit(forward, static_argnames=("cfg", "kernels", "verify", "hidden_layers"))
+    _, cache, _ = fwd(cfg, kernels, w, init_cache(cfg, b, 256), prompt, jnp.zeros((b,), jnp.int32),
+                      hidden_layers=layers)
+    start = jnp.full((b,), n, jnp.int32)
+    many, _, h_many = fwd(cfg, kernels, w, cache, toks, start, verify=True, hidden_layers=layers)
     for j in range(t):
-        one, cache = fwd(cfg, kernels, w, cache, toks[:, j:j + 1], start + j)
-        assert np.array_equal(np.asarray(one[:, 0]), np.asarray(many[:, j])), j
+        one, cache, h_one = fwd(cfg, kernels, w, cache, toks[:, j:j + 1], start + j, hidden_layers=layers,
+                                last_only=jnp.zeros((b,), jnp.int32) if last_only else None)
+        one = one if last_only else one[:, 0]
+        if not np.array_equal(np.asarray(one), np.asarray(many[:, j])):
+            d = cfg.dim
+            diff = [i for i in layers if not np.array_equal(np.asarray(h_one[:, 0, i * d:(i + 1) * d]),
+                                                            np.asarray(h_many[:, j, i * d:(i + 1) * d]))]
+            raise AssertionError(f"position {j}: logits differ; layers whose output differs: {diff[:8]}")
 
 
 def test_pallas_kernels_rows_invariant_interpreted():
@@ -144,12 +167,25 @@ def test_prefill_attention_rows_interpreted():
     _prefill_rows_equal(interpret=True)
 
 
-@pytest.mark.parametrize("names", ["xla", "pallas"])
-def test_verify_equals_decode_steps(invariant, names):
-    from lucebox_jax.ops import KernelSet
+def _in_process_with_flag(call: str):
+    """Run `call` (a function of this module with arguments, as source) in a fresh process with
+    LUCEBOX_ROW_INVARIANT=1, which also turns off XLA's excess precision before the first compile (quant.py): the
+    model-level checks need that, and this process's XLA flags are fixed already."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, LUCEBOX_ROW_INVARIANT="1")
+    code = f"import sys; sys.path.insert(0, 'tests'); import test_row_invariant as t; from lucebox_jax.ops import KernelSet; t.{call}"
+    r = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-4000:]
 
-    ks = KernelSet() if names == "xla" else KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")
-    _verify_equals_decode_steps(ks)
+
+def _flag_is_on():
+    assert quant.ROW_INVARIANT and "--xla_allow_excess_precision=false" in os.environ.get("XLA_FLAGS", "")
+
+
+@pytest.mark.parametrize("names", ["xla", "pallas"])
+def test_verify_equals_decode_steps(names):
+    ks = "KernelSet()" if names == "xla" else 'KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")'
+    _in_process_with_flag(f"_verify_equals_decode_steps({ks}, last_only=True)")
 
 
 @pytest.mark.gpu
@@ -168,38 +204,46 @@ def test_gpu_prefill_attention_rows():
 
 
 @pytest.mark.gpu
-def test_gpu_verify_equals_decode_steps(invariant):
-    from lucebox_jax.ops import KernelSet
+@pytest.mark.parametrize("preset,b", [("tiny", 2), ("smollm2-135m", 8)])
+def test_gpu_verify_equals_decode_steps(preset, b):
+    _in_process_with_flag(f"_verify_equals_decode_steps(KernelSet.resolve(), {preset!r}, {b}, last_only=True)")
 
-    _verify_equals_decode_steps(KernelSet.resolve())  # the GPU defaults
 
-
-@pytest.mark.gpu
-def test_gpu_bf16_speculative_batch_job_equals_plain(invariant):
-    """On the GPU (bfloat16, default kernels) a batch job with speculation gives the greedy tokens of the plain job,
-    and of the plain job at another slot count (rows meet other neighbours and other row counts)."""
+def _batch_jobs_equal(kernels, preset="tiny"):
+    """A batch job with speculation gives the greedy tokens of the plain job, and of the plain job at another slot
+    count (rows meet other neighbours, other row counts, other prefill groups)."""
     from lucebox_jax import SamplingParams
     from lucebox_jax.drafters import build
     from lucebox_jax.engine import Engine
-    from lucebox_jax.ops import KernelSet
     from lucebox_jax.scheduler import Scheduler, SlotRequest
     from lucebox_jax.spec_batch import BatchSpec
-    from lucebox_jax.synthetic import PRESETS, random_weights
 
-    cfg = dataclasses.replace(PRESETS["tiny"], dtype="bfloat16", dim=128, ffn_dim=256)
-    eng = Engine(cfg, random_weights(cfg, jax.random.key(5), group_size=32, asymmetric=True), KernelSet.resolve())
+    _flag_is_on()
+    cfg, w = _model(preset)
+    eng = Engine(cfg, w, kernels)
     rng = np.random.default_rng(6)
     prompts = [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in (3, 14, 9, 16, 1, 12)]
     prompts[1] = [5, 6, 7, 8] * 3 + [5, 6]
     maxes = [5, 40, 16, 30, 9, 24]
 
     def job(slots, spec=None):
-        reqs = [SlotRequest(i, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True), frozenset(), m)
-                for i, (p, m) in enumerate(zip(prompts, maxes))]
+        reqs = [SlotRequest(i, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, seed=i), frozenset(),
+                            m) for i, (p, m) in enumerate(zip(prompts, maxes))]
         sched = Scheduler(eng, slots=slots, max_len=256, steps_per_call=4, max_prefill_batch=2, spec=spec)
         return {f.request.key: f.token_ids for batch in sched.run(reqs) for f in batch}
 
     plain = job(3)
-    assert job(1) == plain
+    assert job(1) == plain, "plain job, 1 slot against 3"
     for d in ("ngram", "layers:1"):
         assert job(3, BatchSpec(build(d, eng), 4, min_accept=0.0)) == plain, d
+
+
+def test_bf16_speculative_batch_job_equals_plain():
+    _in_process_with_flag("_batch_jobs_equal(KernelSet())")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
+def test_gpu_bf16_speculative_batch_job_equals_plain(preset):
+    """On the GPU (bfloat16, default kernels)."""
+    _in_process_with_flag(f"_batch_jobs_equal(KernelSet.resolve(), {preset!r})")
