@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import ops
+from . import ops, quant
 from .quant import Int8Array, QuantArray, dequantize
 
 _NEG = -1e30
@@ -43,7 +43,13 @@ def attention_prefill_xla(q, k, v, start, *, scale, window: int | None = None):
     if window is not None:  # sliding window: the last `window` positions, the query's own included
         mask &= kpos > qpos[:, :, None] - window
     scores = jnp.where(mask[:, None, None], scores, _NEG)
-    p = jax.nn.softmax(scores, axis=-1)
+    if quant.ROW_INVARIANT:  # a softmax whose sum's order does not depend on the batch (quant.ROW_INVARIANT)
+        from .model import ordered_row_sum
+
+        e = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+        p = e / ordered_row_sum(e)
+    else:
+        p = jax.nn.softmax(scores, axis=-1)
     o = jnp.einsum("bkgts,bksd->btkgd", p, v.astype(jnp.float32))
     return o.reshape(b, t, hq, d).astype(q.dtype)
 

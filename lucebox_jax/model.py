@@ -100,9 +100,27 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}
 
 
+def ordered_row_sum(v):
+    """Sum over the last axis in an order fixed by its length alone (halving adds, then the odd leftovers in turn):
+    elementwise adds only, so neither the row count nor XLA's choice of reduction code changes a row's result
+    (quant.ROW_INVARIANT)."""
+    rest = []
+    while v.shape[-1] > 1:
+        if v.shape[-1] % 2:
+            rest.append(v[..., -1:])
+            v = v[..., :-1]
+        h = v.shape[-1] // 2
+        v = v[..., :h] + v[..., h:]
+    for r in reversed(rest):
+        v = v + r
+    return v
+
+
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    sq = xf * xf
+    ms = ordered_row_sum(sq) / sq.shape[-1] if quant.ROW_INVARIANT else jnp.mean(sq, axis=-1, keepdims=True)
+    y = xf * jax.lax.rsqrt(ms + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 

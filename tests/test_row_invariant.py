@@ -209,6 +209,51 @@ def test_gpu_verify_equals_decode_steps(preset, b):
     _in_process_with_flag(f"_verify_equals_decode_steps(KernelSet.resolve(), {preset!r}, {b}, last_only=True)")
 
 
+def _width_invariant(kernels, preset="tiny"):
+    """Row 0's prefill and decode steps give the same logits (and residual streams) alone and among 2 more rows; on a
+    difference, says which phase, step and layers, and which single op differs at one row against three."""
+    from lucebox_jax.model import KVCache, forward, init_cache, rms_norm
+    from lucebox_jax.quant import linear
+
+    _flag_is_on()
+    cfg, w = _model(preset)
+    layers, d, n, b = tuple(range(cfg.n_layers)), cfg.dim, 9, 3
+    fwd = jax.jit(forward, static_argnames=("cfg", "kernels", "verify", "hidden_layers"))
+    prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (b, n)), jnp.int32)
+    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (b, 3)), jnp.int32)
+    zero = lambda k: jnp.zeros((k,), jnp.int32)  # noqa: E731
+
+    def where(h1, h3, j1, j3):
+        return [i for i in layers if not np.array_equal(np.asarray(h1[0, j1, i * d:(i + 1) * d]),
+                                                        np.asarray(h3[0, j3, i * d:(i + 1) * d]))][:6]
+
+    problems = []
+    l1, c1, h1 = fwd(cfg, kernels, w, init_cache(cfg, 1, 64), prompt[:1], zero(1), hidden_layers=layers)
+    l3, c3, h3 = fwd(cfg, kernels, w, init_cache(cfg, b, 64), prompt, zero(b), hidden_layers=layers)
+    if not np.array_equal(np.asarray(l1[0]), np.asarray(l3[0])):
+        problems.append(f"prefill: layers {where(h1, h3, n - 1, n - 1)}")
+    # decode from row 0 of the 3-row cache, so only the width differs
+    c1 = KVCache(k=tuple(k[:1] for k in c3.k), v=tuple(v[:1] for v in c3.v), lengths=c3.lengths[:1])
+    for j in range(toks.shape[1]):
+        l1, c1, h1 = fwd(cfg, kernels, w, c1, toks[:1, j:j + 1], zero(1) + n + j, hidden_layers=layers,
+                         last_only=zero(1))
+        l3, c3, h3 = fwd(cfg, kernels, w, c3, toks[:, j:j + 1], zero(b) + n + j, hidden_layers=layers,
+                         last_only=zero(b))
+        if not np.array_equal(np.asarray(l1[0]), np.asarray(l3[0])):
+            problems.append(f"decode step {j}: layers {where(h1, h3, 0, 0)}")
+    if problems:  # single ops at 1 row against 3
+        x = jnp.asarray(np.random.default_rng(8).standard_normal((b, 1, d)), jnp.bfloat16)
+        lw = w.layers[0]
+        ops_ = {"rms_norm": lambda x: rms_norm(x, lw.attn_norm, cfg.rms_eps)}
+        for name in ("wqkv", "wo", "w_gate_up"):
+            ops_[name] = lambda x, m=getattr(lw, name): linear(x[..., :m.shape[0]], m, kernels=kernels)
+        ops_["head"] = lambda x: linear(x, w.head, kernels=kernels)
+        bad = [k for k, f in ops_.items() if not np.array_equal(np.asarray(jax.jit(f)(x[:1])[0]),
+                                                                np.asarray(jax.jit(f)(x)[0]))]
+        problems.append(f"single ops differing: {bad}")
+    assert not problems, "; ".join(problems)
+
+
 def _batch_jobs_equal(kernels, preset="tiny"):
     """A batch job with speculation gives the greedy tokens of the plain job, and of the plain job at another slot
     count (rows meet other neighbours, other row counts, other prefill groups)."""
@@ -236,6 +281,16 @@ def _batch_jobs_equal(kernels, preset="tiny"):
     assert job(1) == plain, "plain job, 1 slot against 3"
     for d in ("ngram", "layers:1"):
         assert job(3, BatchSpec(build(d, eng), 4, min_accept=0.0)) == plain, d
+
+
+def test_width_invariant():
+    _in_process_with_flag("_width_invariant(KernelSet())")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["tiny", "smollm2-135m"])
+def test_gpu_width_invariant(preset):
+    _in_process_with_flag(f"_width_invariant(KernelSet.resolve(), {preset!r})")
 
 
 def test_bf16_speculative_batch_job_equals_plain():
