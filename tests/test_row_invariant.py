@@ -302,3 +302,17 @@ def test_bf16_speculative_batch_job_equals_plain():
 def test_gpu_bf16_speculative_batch_job_equals_plain(preset):
     """On the GPU (bfloat16, default kernels)."""
     _in_process_with_flag(f"_batch_jobs_equal(KernelSet.resolve(), {preset!r})")
+
+
+@pytest.mark.parametrize("d", [576, 64, 7])
+def test_ordered_row_sum(d):
+    """The fixed-order sum: the same bits for a row whatever the leading shape, and the sum up to rounding."""
+    from lucebox_jax.model import ordered_row_sum
+
+    x = jnp.asarray(np.random.default_rng(d).standard_normal((7, 3, d)), jnp.float32)
+    f = jax.jit(ordered_row_sum)
+    many = np.asarray(f(x))
+    assert many.shape == (7, 3, 1)
+    assert np.array_equal(np.asarray(f(x[2, 1][None]))[0], many[2, 1])
+    assert np.array_equal(np.asarray(f(x[:, 1]))[4], many[4, 1])
+    np.testing.assert_allclose(many[..., 0], np.asarray(x, np.float64).sum(-1), rtol=1e-5, atol=1e-5)
