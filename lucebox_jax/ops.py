@@ -41,7 +41,8 @@ OP_SIGNATURES = {
     "attention_decode": (
         "fn(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], lengths [B] int32, *, scale) -> [B, Hq, D]; "
         "row b sees cache positions < lengths[b]; window=W (static, only for sliding-window layers) keeps the "
-        "last W of them"
+        "last W of them; optional rows [B] int32 after lengths (only in a row-invariant verify): query row b reads "
+        "cache row rows[b]"
     ),
 }
 
