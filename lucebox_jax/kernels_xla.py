@@ -33,6 +33,17 @@ def _gqa_scores(q, k, scale):
 
 @ops.register("attention_prefill", "xla", default_on=("cpu",))
 def attention_prefill_xla(q, k, v, start, *, scale, window: int | None = None):
+    if quant.ROW_INVARIANT and q.shape[0] > 1:
+        # one row at a time: XLA's CPU contraction splits its work by the batch size, so a row's sums would depend on
+        # how many rows share the call (quant.ROW_INVARIANT)
+        def one(args):
+            return _attention(*(a[None] for a in args), scale=scale, window=window)[0]
+
+        return jax.lax.map(one, (q, k, v, start))
+    return _attention(q, k, v, start, scale=scale, window=window)
+
+
+def _attention(q, k, v, start, *, scale, window):
     b, t, hq, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, d)

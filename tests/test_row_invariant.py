@@ -210,37 +210,49 @@ def test_gpu_verify_equals_decode_steps(preset, b):
 
 
 def _width_invariant(kernels, preset="tiny"):
-    """Row 0's prefill and decode steps give the same logits (and residual streams) alone and among 2 more rows; on a
-    difference, says which phase, step and layers, and which single op differs at one row against three."""
+    """A row's prefill and decode steps give the same logits (and residual streams) alone and among other rows (of
+    other lengths); on a difference, says which phase, row, step and layers, and which single op differs at one row
+    against three."""
     from lucebox_jax.model import KVCache, forward, init_cache, rms_norm
     from lucebox_jax.quant import linear
 
     _flag_is_on()
     cfg, w = _model(preset)
-    layers, d, n, b = tuple(range(cfg.n_layers)), cfg.dim, 9, 3
+    layers, d, lens = tuple(range(cfg.n_layers)), cfg.dim, (9, 14, 3)
+    b = len(lens)
     fwd = jax.jit(forward, static_argnames=("cfg", "kernels", "verify", "hidden_layers"))
-    prompt = jnp.asarray(np.random.default_rng(3).integers(0, cfg.vocab_size, (b, n)), jnp.int32)
-    toks = jnp.asarray(np.random.default_rng(4).integers(0, cfg.vocab_size, (b, 3)), jnp.int32)
-    zero = lambda k: jnp.zeros((k,), jnp.int32)  # noqa: E731
+    rng = np.random.default_rng(3)
+    prompts = [jnp.asarray(rng.integers(0, cfg.vocab_size, (1, n)), jnp.int32) for n in lens]
+    col = lambda v: jnp.asarray(v, jnp.int32)  # noqa: E731
 
-    def where(h1, h3, j1, j3):
+    def where(h1, h3, r, j1, j3):
         return [i for i in layers if not np.array_equal(np.asarray(h1[0, j1, i * d:(i + 1) * d]),
-                                                        np.asarray(h3[0, j3, i * d:(i + 1) * d]))][:6]
+                                                        np.asarray(h3[r, j3, i * d:(i + 1) * d]))][:6]
 
     problems = []
-    l1, c1, h1 = fwd(cfg, kernels, w, init_cache(cfg, 1, 64), prompt[:1], zero(1), hidden_layers=layers)
-    l3, c3, h3 = fwd(cfg, kernels, w, init_cache(cfg, b, 64), prompt, zero(b), hidden_layers=layers)
+    # prefill: row 0 alone against the same prompt three times
+    l1, _, h1 = fwd(cfg, kernels, w, init_cache(cfg, 1, 64), prompts[0], col([0]), hidden_layers=layers)
+    rep = jnp.concatenate([prompts[0]] * b)
+    l3, _, h3 = fwd(cfg, kernels, w, init_cache(cfg, b, 64), rep, col([0] * b), hidden_layers=layers)
     if not np.array_equal(np.asarray(l1[0]), np.asarray(l3[0])):
-        problems.append(f"prefill: layers {where(h1, h3, n - 1, n - 1)}")
-    # decode from row 0 of the 3-row cache, so only the width differs
-    c1 = KVCache(k=tuple(k[:1] for k in c3.k), v=tuple(v[:1] for v in c3.v), lengths=c3.lengths[:1])
-    for j in range(toks.shape[1]):
-        l1, c1, h1 = fwd(cfg, kernels, w, c1, toks[:1, j:j + 1], zero(1) + n + j, hidden_layers=layers,
-                         last_only=zero(1))
-        l3, c3, h3 = fwd(cfg, kernels, w, c3, toks[:, j:j + 1], zero(b) + n + j, hidden_layers=layers,
-                         last_only=zero(b))
-        if not np.array_equal(np.asarray(l1[0]), np.asarray(l3[0])):
-            problems.append(f"decode step {j}: layers {where(h1, h3, 0, 0)}")
+        problems.append(f"prefill: layers {where(h1, h3, 0, lens[0] - 1, lens[0] - 1)}")
+    # decode: rows of three lengths, each prefilled alone, stepped alone and together
+    alone, toks = [], []
+    for p in prompts:
+        lg, c = fwd(cfg, kernels, w, init_cache(cfg, 1, 64), p, col([0]), last_only=col([p.shape[1] - 1]))
+        alone.append(c)
+        toks.append(int(jnp.argmax(lg[0])))
+    big = KVCache(k=tuple(jnp.concatenate([c.k[i] for c in alone]) for i in layers),
+                  v=tuple(jnp.concatenate([c.v[i] for c in alone]) for i in layers), lengths=col(lens))
+    for j in range(3):
+        l3, big, h3 = fwd(cfg, kernels, w, big, col(toks)[:, None], col(lens) + j, hidden_layers=layers,
+                          last_only=col([0] * b))
+        for r in range(b):
+            l1, alone[r], h1 = fwd(cfg, kernels, w, alone[r], col([[toks[r]]]), col([lens[r] + j]),
+                                   hidden_layers=layers, last_only=col([0]))
+            if not np.array_equal(np.asarray(l1[0]), np.asarray(l3[r])):
+                problems.append(f"decode row {r} step {j}: layers {where(h1, h3, r, 0, 0)}")
+        toks = [int(t) for t in jnp.argmax(l3, axis=-1)]
     if problems:  # single ops at 1 row against 3
         x = jnp.asarray(np.random.default_rng(8).standard_normal((b, 1, d)), jnp.bfloat16)
         lw = w.layers[0]
@@ -252,6 +264,24 @@ def _width_invariant(kernels, preset="tiny"):
                                                                 np.asarray(jax.jit(f)(x)[0]))]
         problems.append(f"single ops differing: {bad}")
     assert not problems, "; ".join(problems)
+
+
+def _xla_attention_rows_equal():
+    """XLA's attention (the CPU default): a row among rows of other lengths equals the row alone."""
+    from lucebox_jax.kernels_xla import attention_decode_xla
+
+    _flag_is_on()
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((3, 9, 64)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((3, 3, 256, 64)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((3, 3, 256, 64)), jnp.bfloat16)
+    f = jax.jit(lambda q, k, v, n: attention_decode_xla(q, k, v, n, scale=0.125))
+    for _ in range(20):
+        n = jnp.asarray(rng.integers(1, 200, 3), jnp.int32)
+        many = np.asarray(f(q, k, v, n), np.float32)
+        for r in range(3):
+            assert np.array_equal(np.asarray(f(q[r:r + 1], k[r:r + 1], v[r:r + 1], n[r:r + 1]), np.float32)[0],
+                                  many[r]), (r, n)
 
 
 def _batch_jobs_equal(kernels, preset="tiny"):
@@ -285,6 +315,10 @@ def _batch_jobs_equal(kernels, preset="tiny"):
 
 def test_width_invariant():
     _in_process_with_flag("_width_invariant(KernelSet())")
+
+
+def test_xla_attention_rows_invariant():
+    _in_process_with_flag("_xla_attention_rows_equal()")
 
 
 @pytest.mark.gpu
