@@ -33,14 +33,24 @@ def _gqa_scores(q, k, scale):
 
 @ops.register("attention_prefill", "xla", default_on=("cpu",))
 def attention_prefill_xla(q, k, v, start, *, scale, window: int | None = None):
-    if quant.ROW_INVARIANT and q.shape[0] > 1:
-        # one row at a time: XLA's CPU contraction splits its work by the batch size, so a row's sums would depend on
-        # how many rows share the call (quant.ROW_INVARIANT)
-        def one(args):
-            return _attention(*(a[None] for a in args), scale=scale, window=window)[0]
-
-        return jax.lax.map(one, (q, k, v, start))
+    if quant.ROW_INVARIANT:  # every query as a decode row of its own (see _one_query_at_a_time)
+        b, t, hq, d = q.shape
+        lengths = (start[:, None] + jnp.arange(1, t + 1)[None, :]).reshape(b * t)
+        rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+        return _one_query_at_a_time(q.reshape(b * t, hq, d), k, v, lengths, rows, scale, window).reshape(q.shape)
     return _attention(q, k, v, start, scale=scale, window=window)
+
+
+def _one_query_at_a_time(q, k, v, lengths, rows, scale, window):
+    """q [N, Hq, D]: query n reads cache row rows[n] up to lengths[n], one query per loop step. XLA's CPU contraction
+    splits its work by the shapes it is given (14 of 150 rows differed between one row and three), so with
+    quant.ROW_INVARIANT every query is computed by the same one-query program whatever the batch or window."""
+    def one(args):
+        qi, li, ri = args
+        kr, vr = (jax.lax.dynamic_index_in_dim(c, ri, keepdims=True) for c in (k, v))
+        return _attention(qi[None, None], kr, vr, (li - 1)[None], scale=scale, window=window)[0, 0]
+
+    return jax.lax.map(one, (q, lengths.astype(jnp.int32), rows.astype(jnp.int32)))
 
 
 def _attention(q, k, v, start, *, scale, window):
@@ -67,6 +77,9 @@ def _attention(q, k, v, start, *, scale, window):
 
 @ops.register("attention_decode", "xla", default_on=("cpu",))
 def attention_decode_xla(q, k, v, lengths, rows=None, *, scale, window: int | None = None):
+    if quant.ROW_INVARIANT:
+        rows = jnp.arange(q.shape[0], dtype=jnp.int32) if rows is None else rows
+        return _one_query_at_a_time(q, k, v, lengths, rows, scale, window)
     if rows is not None:  # query row b reads cache row rows[b]
         k, v = k[rows], v[rows]
     out = attention_prefill_xla(q[:, None], k, v, lengths - 1, scale=scale, window=window)
