@@ -24,7 +24,7 @@ from flax import struct
 
 from .config import ModelConfig
 from .model import KVCache, Weights, forward, init_cache
-from . import ops
+from . import ops, quant
 from .ops import KernelSet
 from .sampling import RowParams, sample, top_logprobs
 
@@ -260,6 +260,8 @@ class Engine:
         return init_cache(self.cfg, batch, max_len)
 
     def cache_len_for(self, needed: int) -> int:
+        if quant.ROW_INVARIANT:  # the length a speculative run would take (speculative.SpeculativeDecoder.cache_len)
+            needed += quant.ROW_INVARIANT_CACHE_MARGIN
         return min(pow2_at_least(needed, MIN_CACHE), pow2_at_least(self.cfg.max_context, MIN_CACHE))
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], all_logits: bool = False):

@@ -218,6 +218,9 @@ def concat_n(ws: list):
 # and a verify runs its attention as decode rows (model.forward(verify=)). It costs speed (CPU: about a third of
 # decode; GPU: benchmarks/RESULTS.md), hence off by default. Not covered: the `mgpu` kernel, tree verify, XLA's GPU dot.
 ROW_INVARIANT = os.environ.get("LUCEBOX_ROW_INVARIANT", "0") == "1"
+# attention's splits and sums depend on the cache length, and a speculative job's cache holds the verify's extra
+# positions: in this mode every cache gets this margin, plain or speculative (verify spans up to it)
+ROW_INVARIANT_CACHE_MARGIN = 32
 if ROW_INVARIANT and "xla_allow_excess_precision" not in os.environ.get("XLA_FLAGS", ""):
     # XLA may otherwise keep a bfloat16 op's result in float32 inside a fusion, and fusions differ between a decode
     # step and a verify (a last-position gather splits one): read when XLA first compiles, so set before that

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import quant
 from .engine import MIN_CACHE, PREFILL_CHUNK, Engine, bucket, pow2_at_least, prefill_step
 from .model import KVCache, forward
 from .errors import InvalidRequestError
@@ -190,7 +191,8 @@ class Scheduler:
         self.spec = spec if spec is not None and slots <= spec.max_slots else None
         self.spec_note = (f"speculation off: {slots} slots > {spec.max_slots}" if spec is not None and self.spec is None
                           else None)
-        self.cache_len = max_len + (self.spec.k if self.spec else 0)
+        extra = self.spec.k if self.spec else 0
+        self.cache_len = max_len + (max(extra, quant.ROW_INVARIANT_CACHE_MARGIN) if quant.ROW_INVARIANT else extra)
         self._spec_on = np.zeros(slots, bool)  # host copy of state.spec.on
 
     # ------------------------------------------------------------------ device calls

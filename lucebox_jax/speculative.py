@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from . import quant
 from .config import ModelConfig
 from .engine import MIN_CACHE, Engine, StepOut, pow2_at_least, stop_matrix
 from .errors import InvalidSamplingParamsError
@@ -338,7 +339,10 @@ class SpeculativeDecoder:
 
     def cache_len(self, needed: int) -> int:
         """Cache positions for prompt + completion of `needed` tokens plus the K + 1 (or tree) a verify writes."""
-        return pow2_at_least(needed + self.span + 1, MIN_CACHE)
+        extra = self.span + 1
+        if quant.ROW_INVARIANT:  # the same length as a plain run's (Engine.cache_len_for)
+            extra = max(extra, quant.ROW_INVARIANT_CACHE_MARGIN)
+        return pow2_at_least(needed + extra, MIN_CACHE)
 
     # -------------------------------------------------------------------------------------------- state
     def _init(self, cache: KVCache, prompts, first: StepOut, seen, stop_ids, row_max, n_logprobs):

@@ -350,3 +350,22 @@ def test_ordered_row_sum(d):
     assert np.array_equal(np.asarray(f(x[2, 1][None]))[0], many[2, 1])
     assert np.array_equal(np.asarray(f(x[:, 1]))[4], many[4, 1])
     np.testing.assert_allclose(many[..., 0], np.asarray(x, np.float64).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_and_speculative_caches_have_one_length(invariant):
+    """Attention's splits and sums depend on the cache length, and a speculative job's cache holds the verify's extra
+    positions: in this mode plain and speculative runs take the same length (the margin), batch jobs and batch 1."""
+    from lucebox_jax.drafters import build
+    from lucebox_jax.engine import Engine
+    from lucebox_jax.ops import KernelSet
+    from lucebox_jax.scheduler import Scheduler
+    from lucebox_jax.spec_batch import BatchSpec
+    from lucebox_jax.speculative import SpeculativeDecoder
+
+    cfg, w = _model("tiny")
+    eng = Engine(cfg, w, KernelSet())
+    for k in (2, 4, 8):
+        spec = BatchSpec(build("ngram", eng), k)
+        assert Scheduler(eng, slots=2, max_len=200, spec=spec).cache_len == Scheduler(eng, 2, 200).cache_len
+        for need in (10, 240, 250, 480):
+            assert SpeculativeDecoder(eng, build("ngram", eng), k).cache_len(need) == eng.cache_len_for(need)
