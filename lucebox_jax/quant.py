@@ -215,8 +215,10 @@ def concat_n(ws: list):
 # pick tiles, split-K and attention splits by the row count. A decode step and a speculative verify (K + 1 rows)
 # then disagree, and in bfloat16 greedy tokens flip. With LUCEBOX_ROW_INVARIANT=1 (read at import) a single row is
 # computed as two here on the CPU, the Pallas kernels use one configuration for every row count (kernels_pallas),
-# and a verify runs its attention as decode rows (model.forward(verify=)). It costs speed (CPU: about a third of
-# decode; GPU: benchmarks/RESULTS.md), hence off by default. Not covered: the `mgpu` kernel, tree verify, XLA's GPU dot.
+# a verify runs its attention as decode rows (model.forward(verify=)), XLA's CPU attention takes one query at a time
+# (kernels_xla), rms_norm sums in a fixed order, every cache gets the same margin and XLA's excess precision is off
+# (below). It costs speed (CPU: about a third of decode), hence off by default. Not covered: the `mgpu` kernel, tree
+# verify, XLA's GPU dot.
 ROW_INVARIANT = os.environ.get("LUCEBOX_ROW_INVARIANT", "0") == "1"
 # attention's splits and sums depend on the cache length, and a speculative job's cache holds the verify's extra
 # positions: in this mode every cache gets this margin, plain or speculative (verify spans up to it)
