@@ -1,0 +1,71 @@
+"""benchmarks/bench_serve.py's client side: clients spread over processes (one asyncio httpx client cannot keep up
+with many streams) return every request with its chunk stamps, against a stand-in OpenAI-style SSE server (uvicorn +
+Starlette in a subprocess, loopback only), so the multi-process path is checked without a model."""
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+STAND_IN = r'''
+import asyncio, json, sys
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+async def completions(request):
+    body = await request.json()
+    n = body["max_tokens"]
+    async def events():
+        for i in range(n):
+            await asyncio.sleep(0.01)
+            yield "data: " + json.dumps({"choices": [{"index": 0, "text": f"t{i}"}]}) + "\n\n"
+        yield "data: " + json.dumps({"choices": [], "usage": {"completion_tokens": n}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
+'''
+
+
+@pytest.fixture(scope="module")
+def port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        p = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", STAND_IN, str(p)], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", p), timeout=1).close()
+                break
+            except OSError:
+                if proc.poll() is not None:
+                    pytest.fail(proc.stderr.read()[-2000:])
+                time.sleep(0.2)
+        yield p
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
+
+
+@pytest.mark.parametrize("per_process", [0, 2])
+def test_clients_in_processes_return_every_request(port, per_process):
+    import bench_serve
+
+    prompts = [[[1, 2, 3]] * 2 for _ in range(5)]  # 5 clients x 2 requests each
+    reqs, wall = bench_serve.run_client_processes(port, prompts, 4, per_process)
+    assert len(reqs) == 10 and not [r for r in reqs if r.get("error")]
+    assert all(r["tokens"] == 4 and len(r["stamps"]) == 4 for r in reqs)
+    assert 0.08 <= wall < 30  # each client's two requests take at least 2 x 4 x 10 ms, one after the other
+    row = bench_serve.summarize(reqs, wall)
+    assert row["completion_tokens"] == 40 and row["failed_requests"] == 0
