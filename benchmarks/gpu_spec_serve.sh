@@ -4,7 +4,7 @@
 # job, and check that greedy tokens with the `mgpu` kernels equal those with `xla` (issue 11).
 # The GGUF (98 MB) travels in two halves (.gl/smol.part00 in the call before, copied to /tmp; .gl/smol.part01 now).
 # Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT, logs.tgz)
-# TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, CLIENTS,
+# TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
 # EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -40,7 +40,7 @@ if [ "${SPEC:-1}" = 1 ]; then
 fi
 if [ "${SERVE:-1}" = 1 ]; then
   timeout "$(( ${SERVE_SECONDS:-100} + 30 ))" python3 benchmarks/bench_serve.py --model "$M" --clients "${CLIENTS:-8,32,128}" \
-    --budget "${SERVE_SECONDS:-100}" > "$OUT/serve.log" 2>&1; tail -15 "$OUT/serve.log"
+    --budget "${SERVE_SECONDS:-100}" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1; tail -15 "$OUT/serve.log"
 fi
 if [ "${MGPU_EQ:-1}" = 1 ]; then
   P="Explain in three sentences why the sky is blue."

@@ -170,7 +170,8 @@ class Scheduler:
     def __init__(self, engine: Engine, slots: int = 8, max_len: int = 2048, steps_per_call: int = 8,
                  max_prefill_batch: int = 8, prefill_tokens: int = 8192,
                  stop_check: Callable[[SlotRequest, list[int]], bool] | None = None,
-                 prefill_sizes: tuple[int, ...] | None = None, min_prefill_len: int = 0, spec=None):
+                 prefill_sizes: tuple[int, ...] | None = None, min_prefill_len: int = 0, spec=None,
+                 exit_on_finish: bool = False):
         if slots < 1 or max_len < 2 or steps_per_call < 1:
             raise ValueError(f"bad scheduler shape: slots={slots}, max_len={max_len}, steps={steps_per_call}")
         self.engine = engine
@@ -194,6 +195,9 @@ class Scheduler:
         extra = self.spec.k if self.spec else 0
         self.cache_len = max_len + (max(extra, quant.ROW_INVARIANT_CACHE_MARGIN) if quant.ROW_INVARIANT else extra)
         self._spec_on = np.zeros(slots, bool)  # host copy of state.spec.on
+        # with nothing waiting, leave a decode call as soon as a row finishes (a live server: the finished request's
+        # client hears at once and its next request arrives sooner) instead of running the call's remaining steps
+        self.exit_on_finish = exit_on_finish
 
     # ------------------------------------------------------------------ device calls
     def _call(self, key, fn, *args, **kw):
@@ -393,7 +397,8 @@ class Scheduler:
                     return
                 continue
             # with requests waiting, come back as soon as a prefill group's worth of slots is free
-            exit_after = max(1, min(self.max_prefill_batch, len(waiting))) if waiting else self.slots + 1
+            exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
+                          else 1 if self.exit_on_finish else self.slots + 1)
             buf = self._decode(retire, exit_after, active)
             retire[:] = False
             for s in list(active):

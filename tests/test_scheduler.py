@@ -156,3 +156,24 @@ def test_warmup_compiles_every_shape_live_traffic_needs(tiny_llm):
     done = [f for batch in sched.run(reqs) for f in batch]
     assert sorted(f.request.key for f in done) == list(range(len(lens)))
     assert set(eng._seen_shapes) == before, set(eng._seen_shapes) - before
+
+
+@pytest.mark.parametrize("exit_on_finish", [False, True])
+def test_exit_on_finish_ends_the_call_when_a_row_finishes(tiny_llm, greedy_case, exit_on_finish):
+    """A live feed with nothing waiting: by default a call runs its STEPS whatever finishes; with exit_on_finish it
+    returns as soon as a row finishes, so the finished request is handed back sooner. Results are unchanged."""
+    prompts, params, ref = greedy_case
+    sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2,
+                      exit_on_finish=exit_on_finish)
+
+    def feed():  # request 6 (3 tokens: 2 decode steps) and request 2 (16: 15 steps) together, then nothing new
+        for i in (6, 2):
+            yield _req(i, prompts[i], dataclasses.replace(params[i], seed=0), tiny_llm)
+        while sched.stats["requests"] < 2:
+            yield None
+
+    got = {f.request.key: f.token_ids for batch in sched.run(feed()) for f in batch}
+    assert got == {6: ref[6], 2: ref[2]}
+    # default: 15 steps of request 2 in calls of 4, 4, 4, 3 (request 6 rides in the first); exit_on_finish: the
+    # first call ends after 2 steps, when request 6 finishes, then 13 steps take 4 more calls
+    assert sched.stats["decode_calls"] == (5 if exit_on_finish else 4)

@@ -29,6 +29,9 @@ def add_serve_arguments(p):
                         "a compile (default on a GPU; later starts reuse jax's compilation cache); basic: one tiny "
                         "request (default on the CPU, where compiles are slow)")
     g.add_argument("--max-body-kb", type=int, default=1024, help="largest request body accepted (default 1024 KiB)")
+    g.add_argument("--exit-on-finish", action="store_true",
+                   help="end a decode call as soon as a request finishes, not after --steps-per-call steps (its "
+                        "client hears sooner and sends its next request sooner; more, shorter calls)")
     g.add_argument("--keep-alive", type=float, default=30.0,
                    help="seconds an idle HTTP connection is kept open (default 30). Longer than the 5 s for which "
                         "pooled clients (httpx, so the openai client) reuse an idle connection: at uvicorn's default "
@@ -95,7 +98,8 @@ def run_serve_from_args(args) -> int:
     steps = args.steps_per_call or 8
     # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
     sys.setswitchinterval(5e-4)
-    engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue, spec=spec)
+    engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue, spec=spec,
+                        exit_on_finish=args.exit_on_finish)
     if (args.warmup or ("full" if gpu else "basic")) == "full":
         print(f"compiling the serving shapes (prompts up to {ctx - 1} tokens; --warmup basic skips this) ...",
               file=sys.stderr, flush=True)
