@@ -25,7 +25,7 @@ fi
 if [ "${ROW_INV:-1}" = 1 ]; then
   # issue 13's GPU equality: the row-invariant kernels' own checks, then the 8-slot batch job against the plain job
   # without and with LUCEBOX_ROW_INVARIANT=1 (plain tok/s of both: its cost)
-  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_row_invariant.py -m gpu > "$OUT/ri_tests.log" 2>&1
+  timeout "${RI_TEST_SECONDS:-420}" python3 -m pytest -q -p no:cacheprovider tests/test_row_invariant.py -m gpu > "$OUT/ri_tests.log" 2>&1
   tail -3 "$OUT/ri_tests.log"
   for ri in ${RI_LEVELS:-0 1}; do
     LUCEBOX_ROW_INVARIANT=$ri timeout 200 python3 benchmarks/bench_spec_batch.py --model "$M" --slots 8 \
