@@ -152,10 +152,8 @@ async def run_clients(port, prompts, new_tokens):
         async def client_loop(mine):
             return [await one_request(client, url, ids, new_tokens) for ids in mine]
 
-        t0 = time.perf_counter()
         res = await asyncio.gather(*(client_loop(m) for m in prompts))
-        wall = time.perf_counter() - t0
-    return [r for per in res for r in per], wall
+    return [r for per in res for r in per]
 
 
 def _client_process(args):
@@ -164,7 +162,7 @@ def _client_process(args):
     port, prompts, new_tokens, start_at = args
     while time.perf_counter() < start_at:
         time.sleep(0.001)
-    return asyncio.run(run_clients(port, prompts, new_tokens))[0]
+    return asyncio.run(run_clients(port, prompts, new_tokens))
 
 
 def run_client_processes(port, prompts, new_tokens, per_process: int):
@@ -172,15 +170,16 @@ def run_client_processes(port, prompts, new_tokens, per_process: int):
     hundred chunks a second at most: encode/httpx#3215), so the client side does not bound the server's figure.
     -> (requests, wall seconds from the first request sent to the last response ended)."""
     if per_process <= 0 or len(prompts) <= per_process:
-        return asyncio.run(run_clients(port, prompts, new_tokens))
-    import multiprocessing
+        reqs = asyncio.run(run_clients(port, prompts, new_tokens))
+    else:
+        import multiprocessing
 
-    groups = [prompts[i:i + per_process] for i in range(0, len(prompts), per_process)]
-    with multiprocessing.get_context("spawn").Pool(len(groups)) as pool:
-        pool.map(time.sleep, [0.0] * len(groups))  # every worker started and imported before the clock starts
-        start_at = time.perf_counter() + 0.5
-        res = pool.map(_client_process, [(port, g, new_tokens, start_at) for g in groups], chunksize=1)
-    reqs = [r for per in res for r in per]
+        groups = [prompts[i:i + per_process] for i in range(0, len(prompts), per_process)]
+        with multiprocessing.get_context("spawn").Pool(len(groups)) as pool:
+            pool.map(time.sleep, [0.0] * len(groups))  # every worker started and imported before the clock starts
+            start_at = time.perf_counter() + 0.5
+            res = pool.map(_client_process, [(port, g, new_tokens, start_at) for g in groups], chunksize=1)
+        reqs = [r for per in res for r in per]
     return reqs, max(r["end"] for r in reqs) - min(r["t0"] for r in reqs)
 
 
@@ -209,7 +208,7 @@ def bench_server_level(a, n, out_dir, deadline):
         longest = max((ids for per in prompts for ids in per), key=len)
         warm = [[[longest[:length]] for _ in range(size)] for size in sorted({min(p, n) for p in (1, 2, 4, 8)})
                 for length in sorted({a.prompt_min, (a.prompt_min + a.prompt_max) // 2, a.prompt_max})] + [prompts]
-        warm_failed = [r["error"] for w in warm for r in asyncio.run(run_clients(port, w, 2))[0] if r.get("error")]
+        warm_failed = [r["error"] for w in warm for r in asyncio.run(run_clients(port, w, 2)) if r.get("error")]
         t_warm = time.perf_counter() - t0
         before = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).json()
         reqs, wall = run_client_processes(port, prompts, a.new_tokens, a.clients_per_process)
