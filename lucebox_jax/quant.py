@@ -217,7 +217,8 @@ def concat_n(ws: list):
 # computed as two here on the CPU, the Pallas kernels use one configuration for every row count (kernels_pallas),
 # a verify runs its attention as decode rows (model.forward(verify=)), XLA's CPU attention takes one query at a time
 # (kernels_xla), rms_norm sums in a fixed order, every cache gets the same margin and XLA's excess precision is off
-# (below). It costs speed (CPU: about a third of decode), hence off by default. Not covered: the `mgpu` kernel, tree
+# (below). It costs speed (on the CPU the one-row path alone cost about a third of decode; the whole mode's cost is
+# not measured), hence off by default. Not covered: the `mgpu` kernel, tree
 # verify, XLA's GPU dot.
 ROW_INVARIANT = os.environ.get("LUCEBOX_ROW_INVARIANT", "0") == "1"
 # attention's splits and sums depend on the cache length, and a speculative job's cache holds the verify's extra
