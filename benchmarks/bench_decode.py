@@ -69,7 +69,7 @@ def count_kernels(compiled_text: str) -> int:
     return len(ops_)
 
 
-CATEGORIES = [(r"int(\d)_matmul", r"pallas int\1 GEMV"), (r"attention|decode", "pallas attention"),
+CATEGORIES = [(r"mosaic|kernel_\d|mgpu", "Mosaic-GPU matmul"), (r"int(\d)_matmul", r"pallas int\1 GEMV"), (r"attention|decode", "pallas attention"),
               (r"gemm|dot|cublas|cutlass|matmul", "XLA matmul"), (r"memset|memcpy|copy", "copy"),
               (r"reduce", "XLA reduce fusion"), (r"fusion|wrapped_|^loop_|^input_", "XLA fusion")]
 

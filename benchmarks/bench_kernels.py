@@ -49,7 +49,7 @@ from pallas_kernels import attention_prefill as pre_mod  # noqa: E402
 from pallas_kernels import int4_matmul as mm_mod  # noqa: E402
 from pallas_kernels import int8_matmul as mm8_mod  # noqa: E402
 
-from gpu_trace import busy_and_span_ns, trace_gpu_events  # noqa: E402  (benchmarks/, the script's folder)
+from gpu_trace import busy_and_span_ns, per_name_ns, trace_gpu_events  # noqa: E402  (benchmarks/, the script's folder)
 
 OUT = os.environ.get("OUT") or "/tmp/bench_kernels_out"
 os.makedirs(OUT, exist_ok=True)
@@ -74,8 +74,11 @@ def rel_err(a, b):
 
 
 def _device_kernel_ns(run):
-    """Run `run()` under the JAX profiler; (sum of GPU kernel durations, GPU span) in ns, or (None, None)."""
-    return busy_and_span_ns(trace_gpu_events(run))
+    """Run `run()` under the JAX profiler; (sum of GPU kernel durations, GPU span) in ns, or (None, None). The
+    durations by kernel name go to TIMING["by_kernel_ns"] (what the op's glue kernels cost beside its main one)."""
+    evs = trace_gpu_events(run)
+    TIMING["by_kernel_ns"] = per_name_ns(evs)
+    return busy_and_span_ns(evs)
 
 
 def _profiled_ns(f, sets, n):
@@ -113,6 +116,7 @@ def time_sets(fn, sets, trials=7, n=3):
     TIMING["wall"] = statistics.median(ts)
     busy, span = _profiled_ns(f, sets, n)
     TIMING["span"] = None if span is None else span * 1e-9 / (n * len(sets))
+    TIMING["by_kernel_us"] = {k: v * 1e-3 / (n * len(sets)) for k, v in TIMING.pop("by_kernel_ns", {}).items()}
     if busy is None:
         return TIMING["wall"]
     return busy * 1e-9 / (n * len(sets))

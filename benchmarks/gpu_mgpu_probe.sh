@@ -6,7 +6,7 @@
 # under this script's first version on 2026-12-03 (fourth session): NCU defaults to 0.
 # TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
-# (.peers carried) in the same call.
+# (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -21,7 +21,7 @@ if [ "${NCU:-0}" = 1 ]; then
 fi
 # by default (round 6): what bounds the skeleton, on the tabled (scale_after) configurations: no x^T copy; the TMA
 # pipeline and barriers alone, as tabled, deeper, and with larger boxes (round 5 timed skip_scale / skip_convert,
-# chains and scale_after: VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"chains":2};{"scale_after":true}')
+# chains and scale_after: VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"scale_after":true}'; `chains` was removed in the seventh session)
 DEFAULT_VARIANTS='{"probe":"skip_x"};{"probe":"skip_mma"};{"probe":"skip_mma","steps":8};{"probe":"skip_mma","groups":4,"steps":2};{"probe":"skip_mma","split_k":2}'
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
@@ -35,8 +35,9 @@ fi
 [ "${TUNED:-0}" = 1 ] && cp pallas_kernels/mgpu_tuned.json "$OUT/"
 if [ "${DECODE:-0}" = 1 ]; then
   timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b --batches 1 --xla-batches '' \
-    --kernel-sets 'qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas' --reps 2 > "$OUT/decode.log" 2>&1
-  sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode.log"
+    --kernel-sets "${DECODE_SETS:-qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas}" --reps 2 \
+    $([ "${PROFILE:-0}" = 1 ] && echo --profile) > "$OUT/decode.log" 2>&1
+  sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode.log"; grep -A24 "profile per step" "$OUT/decode.log" | grep -v "^  [a-z_.0-9]*fusion[a-z_.0-9]* " | head -60
   [ -f .peers/peer_bench.py ] && timeout 150 python3 .peers/peer_bench.py --sections D_int4_b1 --budget 140 \
     > "$OUT/peer.log" 2>&1; grep "^D |" "$OUT/peer.log"
 fi

@@ -31,3 +31,11 @@ def busy_and_span_ns(events):
         return None, None
     busy = sum(d for _, _, d in events)
     return busy, max(s + d for _, s, d in events) - min(s for _, s, _ in events)
+
+
+def per_name_ns(events) -> dict:
+    """{kernel name: summed duration ns} over the events, largest first; {} for none."""
+    out: dict = {}
+    for name, _, d in events or ():
+        out[name] = out.get(name, 0) + d
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))

@@ -13,15 +13,13 @@ step is a clean TMA box:
   value    = scales * c + offsets
 
 Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and offsets,
-and the x^T rows [groups * g, tile_t]. Per group, a compute warpgroup loads its [tile_m, g] codes into registers
+and the x columns [tile_t, groups * g] (K-minor; each group's wgmma reads them as a transposed view). Per group, a compute warpgroup loads its [tile_m, g] codes into registers
 (one of three paths, `LOADS`: the K-permuted `perm` layout lets 32-bit loads land codes where wgmma wants them),
 converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
 the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
 each, which keeps one group's registers live at a time). With `scale_after` (symmetric weights) each group's raw
 codes go into a fresh accumulator instead (a step's groups all issued before any is read, so one group's conversion
 overlaps the previous group's wgmma), and its float32 sums are scaled: tm x tile_t multiplies, not tm x g.
-With `chains` > 1 a warpgroup's wgmmas alternate, 16 K-rows at a time, between that many accumulators (summed at the
-end), so consecutive m64n16k16 wgmmas do not wait on one another's sums.
 A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32 partial sums that
 one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
 on the engine's `QuantArray`.
@@ -52,8 +50,6 @@ class MgpuConfig:
     loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
     ctas_per_sm: int = 1  # persistent CTAs launched per SM (2 if shared memory and registers let two reside)
     probe: str = ""  # timing attribution only, results wrong (see `PROBES`); "" is the kernel
-    chains: int = 1  # independent accumulators per warpgroup, wgmmas alternating between them 16 K-rows at a time
-    #                  (a dependent chain of m64n16k16 wgmmas may be latency-bound; summed once at the end)
     scale_after: bool = False  # symmetric weights: wgmma on the raw codes per group, the scale applied in float32 to
     #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
 
@@ -178,8 +174,6 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"tile_m {cfg.tile_m} is not a multiple of 64"
     if cfg.probe not in PROBES:
         return f"probe {cfg.probe!r} is not one of {PROBES}"
-    if cfg.chains < 1 or g % (16 * cfg.chains):
-        return f"{cfg.chains} accumulator chains do not split a group of {g} into 16-row wgmmas"
     if cfg.compute_wgs not in (1, 2):  # 4 warpgroups of 64 rows hung on the H200 (2026-12-03, fourth session)
         return f"compute_wgs {cfg.compute_wgs}: only 1 or 2 compute warpgroups run"
     if n % cta_m:
@@ -274,22 +268,35 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     tm, tt, gps, wgs, splits = cfg.tile_m, cfg.tile_t, cfg.groups, cfg.compute_wgs, cfg.split_k
     cta_m = tm * wgs
     mp = _round_up(max(m, 1), tt)
-    xt = jnp.pad(x.astype(jnp.bfloat16), ((0, mp - m), (0, 0))).T  # [K, Mp]: the wgmma B operand, K-major
     n_tiles, t_tiles = n // cta_m, mp // tt
     steps_per_split = k // g // gps // splits
     work = n_tiles * t_tiles * splits
     asym = w.offsets is not None
     out_dtype = jnp.float32 if splits > 1 else jnp.bfloat16
+    # On the GPU x [M, K] goes in as it is and the output keeps only the columns TMA must write (M rounded up to 16
+    # bytes): a token tile reaching past M reads zeros (TMA fills rows out of bounds) and its writes past the output's
+    # columns are dropped. A decode step then needs no pad / transpose kernel before each matmul (4 per layer, 1.5-2.2
+    # us each on the H200) and split-K partials shrink 16x at M = 1. The interpreter clamps slices instead: there x
+    # is padded to whole token tiles and the output keeps them.
+    # TMA takes a global dimension smaller than the shared-memory tile's or a multiple of it: past 8 rows x is padded
+    # to a multiple of 8, and the output's columns are rounded to one tile row.
+    direct = interpret is False
+    xr = (m if m <= 8 else _round_up(m, 8)) if direct else mp
+    xp = x.astype(jnp.bfloat16)
+    xp = xp if xr == m else jnp.pad(xp, ((0, xr - m), (0, 0)))  # [M (or padded rows), K]
 
     code_swz = plgpu.find_swizzle(g * bits, "lhs")
-    x_swz = plgpu.find_swizzle(tt * 16, "rhs")
+    x_swz = min(plgpu.find_swizzle(g * 16, "rhs"), 128)  # x rows are K-minor: a group's K is one or more swizzle tiles
     out_swz = plgpu.find_swizzle(tt * jnp.dtype(out_dtype).itemsize * 8, "out")
     code_tf = (plgpu.TilingTransform((8, code_swz * 8 // bits)),)
     if code_swz >= 32:  # a 16-byte row (int4, g = 32) takes no swizzle
         code_tf += (plgpu.SwizzleTransform(code_swz),)
     x_tf = (plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
-    out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
+    tile_cols = out_swz * 8 // out_bits
+    out_cols = min(mp, _round_up(m, 128 // out_bits)) if direct else mp
+    out_cols = out_cols if out_cols < tile_cols else _round_up(out_cols, tile_cols)
+    out_tf = (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
     scaled = cfg.probe not in ("skip_scale", "skip_convert")  # (skip_x and skip_mma keep the kernel's scaling)
     after = cfg.scale_after and w.offsets is None and scaled
@@ -314,7 +321,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             if asym:
                 specs.append(plgpu.BlockSpec((gps, cta_m), lambda s: (s, 0)))
             if copy_x:
-                specs.append(plgpu.BlockSpec((gps * g, tt), lambda s: (s, 0), transforms=x_tf))
+                specs.append(plgpu.BlockSpec((tt, gps * g), lambda s: (0, s), transforms=x_tf))
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(steps_per_split,), memory_registers=40, in_specs=specs, wg_axis="wg",
                 num_compute_wgs=wgs, max_concurrent_steps=cfg.steps, compute_context=context)
@@ -350,17 +357,6 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 def context(run):
                     if after:  # the carry is the float32 sum in registers; each group's wgmma gets a fresh ACC
                         store(run(plgpu.layout_cast(jnp.full((tm, tt), 0, jnp.float32), plgpu.Layout.WGMMA)))
-                        return
-
-                    if cfg.chains > 1:
-                        def _accs(*accs):
-                            run(accs)
-                            total = accs[0][...]
-                            for a in accs[1:]:
-                                total = total + a[...]
-                            store(total)
-
-                        pl.run_scoped(_accs, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(cfg.chains)])
                         return
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tt), jnp.float32))
@@ -405,8 +401,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                             wv = a_smem.at[wg, j]
                         return wv
 
-                    def x_rows(j):
-                        return x_smem.at[pl.ds(j * g, g), :]
+                    def x_rows(j):  # group j's x^T [g, tt]: a transposed view of the K-minor tile
+                        return x_smem.at[:, pl.ds(j * g, g)].transpose((1, 0))
 
                     if after:
                         # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
@@ -423,13 +419,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                         return acc_ref
                     for j in range(gps):
                         wv = operand(j)
-                        if cfg.chains > 1:  # acc_ref: a tuple of accumulators here
-                            for c in range(g // 16):
-                                ks = pl.ds(16 * c, 16)
-                                a_c = wv.at[:, ks] if lhs_smem else wv[:, 16 * c:16 * c + 16]
-                                plgpu.wgmma(acc_ref[c % cfg.chains], a_c, x_rows(j).at[ks, :])
-                        else:
-                            plgpu.wgmma(acc_ref, wv, x_rows(j))
+                        plgpu.wgmma(acc_ref, wv, x_rows(j))
                         if cfg.wait_each_group or j == gps - 1:
                             plgpu.wgmma_wait(0)
                     return acc_ref
@@ -438,12 +428,12 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 if asym:
                     args.append(mn_gmem.at[grp, rows])
                 if copy_x:
-                    args.append(x_gmem.at[kr, toks])
+                    args.append(x_gmem.at[toks, kr])
                 pipeline(body, context)(*args, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_shape = (splits, n, mp) if splits > 1 else (n, mp)
+    out_shape = (splits, n, out_cols) if splits > 1 else (n, out_cols)
     f = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -458,14 +448,15 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tm, tt), out_dtype, transforms=out_tf),
                            **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
                               if lhs_smem else {}),
-                           **({} if copy_x else {"x_scratch": plgpu.SMEM((gps * g, tt), jnp.bfloat16,
+                           **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * g), jnp.bfloat16,
                                                                          transforms=x_tf)})),
     )
-    args = (xt, w.codes, w.scales) + ((w.offsets,) if asym else ())
+    args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)
-    if splits > 1:
-        out = out.sum(axis=0)
-    return out[:, :m].T.astype(x.dtype)
+    # the columns past M dropped before the split sum, so the slice joins the sum's input and the cast its epilogue
+    # (one fusion; slicing the sum's result took a kernel of its own)
+    out = out[..., :m].sum(axis=0) if splits > 1 else out[:, :m]
+    return out.T.astype(x.dtype)
 
 
 def token_tile(m: int, g: int) -> int:
