@@ -4,6 +4,7 @@
 # Usage on the device (repo root): bash benchmarks/gpu_mgpu_probe.sh   (results under $OUT, one archive probe.tgz)
 # NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_BUDGET (per shape) adjust. ncu segfaulted
 # under this script's first version on 2026-12-03 (fourth session): NCU defaults to 0.
+# FULL_SWEEP=1: also an even spread of MAX_CONFIGS (12) candidate configurations per shape, after the variants;
 # TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets.
@@ -26,7 +27,8 @@ DEFAULT_VARIANTS='{"probe":"skip_x"};{"probe":"skip_mma"};{"probe":"skip_mma","s
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   for c in ${CASES:-gate_up down qkv o}; do
-    timeout "$(( ${SWEEP_BUDGET:-60} + 40 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "$c" --loads perm --no-sweep \
+    timeout "$(( ${SWEEP_BUDGET:-60} + 40 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "$c" --loads perm \
+      $([ "${FULL_SWEEP:-0}" = 1 ] && echo --max-configs "${MAX_CONFIGS:-12}" || echo --no-sweep) \
       --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS-$DEFAULT_VARIANTS}" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
     echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
     mv "$OUT/bench_mgpu.json" "$OUT/bench_mgpu_$c.json" 2>/dev/null

@@ -278,8 +278,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     # columns are dropped. A decode step then needs no pad / transpose kernel before each matmul (4 per layer, 1.5-2.2
     # us each on the H200) and split-K partials shrink 16x at M = 1. The interpreter clamps slices instead: there x
     # is padded to whole token tiles and the output keeps them.
-    # TMA takes a global dimension smaller than the shared-memory tile's or a multiple of it: past 8 rows x is padded
-    # to a multiple of 8, and the output's columns are rounded to one tile row.
+    # TMA takes a global dimension smaller than the shared-memory tile's or a multiple of it: past 8 rows x (and the
+    # output) is padded to a multiple of 8.
     direct = interpret is False
     xr = (m if m <= 8 else _round_up(m, 8)) if direct else mp
     xp = x.astype(jnp.bfloat16)
@@ -287,16 +287,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
     code_swz = plgpu.find_swizzle(g * bits, "lhs")
     x_swz = min(plgpu.find_swizzle(g * 16, "rhs"), 128)  # x rows are K-minor: a group's K is one or more swizzle tiles
-    out_swz = plgpu.find_swizzle(tt * jnp.dtype(out_dtype).itemsize * 8, "out")
+    out_swz = min(plgpu.find_swizzle(tm * jnp.dtype(out_dtype).itemsize * 8, "out"), 128)
     code_tf = (plgpu.TilingTransform((8, code_swz * 8 // bits)),)
     if code_swz >= 32:  # a 16-byte row (int4, g = 32) takes no swizzle
         code_tf += (plgpu.SwizzleTransform(code_swz),)
     x_tf = (plgpu.TilingTransform((8, x_swz * 8 // 16)), plgpu.SwizzleTransform(x_swz))
     out_bits = jnp.dtype(out_dtype).itemsize * 8
-    tile_cols = out_swz * 8 // out_bits
-    out_cols = min(mp, _round_up(m, 128 // out_bits)) if direct else mp
-    out_cols = out_cols if out_cols < tile_cols else _round_up(out_cols, tile_cols)
-    out_tf = (plgpu.TilingTransform((8, tile_cols)), plgpu.SwizzleTransform(out_swz))
+    out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
     scaled = cfg.probe not in ("skip_scale", "skip_convert")  # (skip_x and skip_mma keep the kernel's scaling)
     after = cfg.scale_after and w.offsets is None and scaled
@@ -349,10 +346,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
                 def store(acc):
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    out_smem[wg] = acc.astype(out_dtype)
+                    # stored transposed: the output is token-major [M, N], as the model wants it
+                    # (the transposed WGMMA layout holds each thread's values in pairs of rows: whole vectors there)
+                    out_smem.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(acc.astype(out_dtype),
+                                                                              plgpu.Layout.WGMMA_TRANSPOSED)
                     plgpu.commit_smem()
                     dst = out_gmem.at[split] if splits > 1 else out_gmem
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[rows, toks].at[wrows])
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[toks, rows].at[:, wrows])
 
                 def context(run):
                     if after:  # the carry is the float32 sum in registers; each group's wgmma gets a fresh ACC
@@ -433,7 +433,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_shape = (splits, n, out_cols) if splits > 1 else (n, out_cols)
+    out_shape = (splits, xr, n) if splits > 1 else (xr, n)
     f = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -445,7 +445,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         # `perm` needs inline Mosaic GPU (lane semantics); the others keep the upstream kernel's warpgroup semantics
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane if loads == "perm"
                                              and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
-        scratch_types=dict(out_smem=plgpu.SMEM((wgs, tm, tt), out_dtype, transforms=out_tf),
+        scratch_types=dict(out_smem=plgpu.SMEM((wgs, tt, tm), out_dtype, transforms=out_tf),
                            **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
                               if lhs_smem else {}),
                            **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * g), jnp.bfloat16,
@@ -453,10 +453,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     )
     args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)
-    # the columns past M dropped before the split sum, so the slice joins the sum's input and the cast its epilogue
-    # (one fusion; slicing the sum's result took a kernel of its own)
-    out = out[..., :m].sum(axis=0) if splits > 1 else out[:, :m]
-    return out.T.astype(x.dtype)
+    out = out.sum(axis=0) if splits > 1 else out
+    return out[:m].astype(x.dtype)
 
 
 def token_tile(m: int, g: int) -> int:
