@@ -13,6 +13,7 @@ file; benchmarks/bench_gemma3.py runs it beside transformers). Also counts the k
 --profile runs each timed loop once more under the JAX profiler and adds, per row, GPU kernels by name and by coarse
 category (launches/step, us/step) with GPU-busy vs GPU-span vs wall time per step (the gaps between kernels).
 Writes $OUT/bench_decode.json (without $OUT: a new temporary folder, named in the output) and prints a table last.
+DUMP_HLO=<folder> also writes each compiled step's optimized HLO there (to name the fusions a profile lists).
 """
 
 from __future__ import annotations
@@ -137,7 +138,11 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
     row_max = jnp.full((batch,), n_tokens, jnp.int32)
     t0 = time.perf_counter()
     lowered = decode_step.lower(cfg, kernels, weights, cache, first.tokens, rp, seen)
-    n_kernels = count_kernels(lowered.compile().as_text())
+    hlo = lowered.compile().as_text()
+    n_kernels = count_kernels(hlo)
+    if os.environ.get("DUMP_HLO"):  # the optimized step, to name every fusion a profile lists (DUMP_HLO=<folder>)
+        with open(os.path.join(os.environ["DUMP_HLO"], f"step_hlo_{name}_b{batch}.txt"), "w") as f:
+            f.write(hlo)
     args = dict(max_new=n_tokens)
     out = generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)
     jax.block_until_ready(out)

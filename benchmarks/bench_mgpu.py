@@ -142,10 +142,12 @@ def main():
                     # (x pad/transpose, split-K sum, output transpose), which a model step may fuse into neighbours
                     kern = dict(list(bk.TIMING.get("by_kernel_us", {}).items())[:6])
                     main_us = max(kern.values(), default=None)
+                    span = bk.TIMING.get("span")  # GPU time from first start to last end (what PDL overlap shows)
                     row["configs"].append({"cfg": cfg.__dict__, "us": us, "err": err, "compile_s": compile_s,
-                                           "kernel_us": main_us, "kernels_us": kern})
+                                           "kernel_us": main_us, "kernels_us": kern,
+                                           "span_us": span and span * 1e6})
                     alone = f" (its main kernel {main_us:.1f} us, {nbytes / main_us / 1e3 / bw:.0%} of copy; " \
-                            f"{len(kern)} kernels)" if main_us else ""
+                            f"{len(kern)} kernels; span {span * 1e6:.1f} us)" if main_us and span else ""
                     print(f"  {label} g{g} M={m} {cfg}: {us:.1f} us{alone} err {err:.1e} compile {compile_s:.1f} s",
                           flush=True)
                 except Exception as e:  # noqa: BLE001

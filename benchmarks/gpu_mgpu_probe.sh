@@ -7,7 +7,8 @@
 # FULL_SWEEP=1: also an even spread of MAX_CONFIGS (12) candidate configurations per shape, after the variants;
 # TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
-# (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets.
+# (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
+# PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -36,9 +37,15 @@ if [ "${SWEEP:-1}" = 1 ]; then
 fi
 [ "${TUNED:-0}" = 1 ] && cp pallas_kernels/mgpu_tuned.json "$OUT/"
 if [ "${DECODE:-0}" = 1 ]; then
-  timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b --batches 1 --xla-batches '' \
-    --kernel-sets "${DECODE_SETS:-qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas}" --reps 2 \
-    $([ "${PROFILE:-0}" = 1 ] && echo --profile) > "$OUT/decode.log" 2>&1
+  SETS=${DECODE_SETS:-qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas}
+  DUMP_HLO=$([ "${PROFILE:-0}" = 1 ] && echo "$OUT") timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
+    --models llama3-8b --batches 1 --xla-batches '' --kernel-sets "$SETS" --reps 2 \
+    $([ "${PROFILE:-0}" = 1 ] && echo --profile) > "$OUT/decode.log" 2>&1  # (PROFILE=1 also keeps the step's HLO)
+  if [ "${PDL_AB:-0}" = 1 ]; then  # the same step with programmatic dependent launch (LUCEBOX_MGPU_PDL=1)
+    LUCEBOX_MGPU_PDL=1 timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b --batches 1 \
+      --xla-batches '' --kernel-sets "$SETS" --reps 2 > "$OUT/decode_pdl.log" 2>&1
+    echo "with LUCEBOX_MGPU_PDL=1:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_pdl.log"; echo "without:"
+  fi
   sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode.log"; grep -A24 "profile per step" "$OUT/decode.log" | grep -v "^  [a-z_.0-9]*fusion[a-z_.0-9]* " | head -60
   [ -f .peers/peer_bench.py ] && timeout 150 python3 .peers/peer_bench.py --sections D_int4_b1 --budget 140 \
     > "$OUT/peer.log" 2>&1; grep "^D |" "$OUT/peer.log"

@@ -24,6 +24,9 @@ from . import ops
 from .quant import Int8Array, QuantArray
 
 INTERPRET = False  # tests set plgpu.InterpretGPUParams() to run the kernel in Mosaic GPU's interpreter on the CPU
+# LUCEBOX_MGPU_PDL=1 (read at import): every configuration with `pdl` (programmatic dependent launch: a kernel
+# prefetches its first weights while the kernel before it finishes). Off until measured on a whole decode step.
+PDL = os.environ.get("LUCEBOX_MGPU_PDL", "") == "1"
 MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
 TUNED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels",
                      "mgpu_tuned.json")
@@ -57,14 +60,17 @@ def m_bucket(m: int) -> int:
 
 
 def config_for(m: int, k: int, n: int, g: int, bits: int):
+    import dataclasses
+
     from pallas_kernels import mgpu_qmatmul as mg
 
+    cfg = None
     entry = tuned_table().get(tuned_key(m_bucket(m), k, n, g, bits))
     if entry is not None:
         cfg = mg.MgpuConfig(**entry["cfg"])
-        if mg.check_config(k, n, g, bits, cfg) is None:
-            return cfg
-    return mg.default_config(m, k, n, g, bits)
+        cfg = cfg if mg.check_config(k, n, g, bits, cfg) is None else None
+    cfg = cfg or mg.default_config(m, k, n, g, bits)
+    return dataclasses.replace(cfg, pdl=True) if cfg is not None and PDL else cfg
 
 
 def _bits(w) -> int:

@@ -50,6 +50,8 @@ class MgpuConfig:
     loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
     ctas_per_sm: int = 1  # persistent CTAs launched per SM (2 if shared memory and registers let two reside)
     probe: str = ""  # timing attribution only, results wrong (see `PROBES`); "" is the kernel
+    pdl: bool = False  # programmatic dependent launch: the kernel may start while the one before it (which writes
+    #                    x) still runs; it prefetches its first weight steps into L2, then waits for that kernel
     scale_after: bool = False  # symmetric weights: wgmma on the raw codes per group, the scale applied in float32 to
     #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
 
@@ -309,6 +311,15 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             mn_gmem, out_gmem = rest
         else:
             (out_gmem,), mn_gmem = rest, None
+        if cfg.pdl and not lhs_smem:
+            # Launched early (PDL), before the kernel that writes x has finished: the weights do not depend on it, so
+            # this CTA's first work item's first `steps` steps of codes go to L2 now; nothing reads x before the wait
+            first = lax.axis_index("sm")
+            g0 = (first % splits) * steps_per_split * gps
+            pre = min(cfg.steps, steps_per_split) * gps
+            plgpu.async_prefetch(c_gmem.at[pl.ds(g0, pre), pl.ds(first // splits // t_tiles * cta_m, cta_m), :])
+            plgpu.griddepcontrol_wait()
+            plgpu.griddepcontrol_launch_dependents()  # the next kernel's own launch may overlap this one's tail
 
         def pipeline(body, context):
             specs = [

@@ -6,6 +6,8 @@ reads only shared memory), and lowering for an abstract H200. The register-opera
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -98,8 +100,6 @@ def test_k_permuted_repack_is_the_same_weight():
 @pytest.mark.parametrize("loads", mg.LOADS)
 def test_every_load_path_lowers_for_h200(loads):
     """The three ways codes reach wgmma's registers (`mg.LOADS`) lower for an abstract H200 at 8B gate+up, g128."""
-    import dataclasses
-
     sds = jax.ShapeDtypeStruct
     k, n, g = 4096, 28672, 128
     cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads=loads)
@@ -138,8 +138,6 @@ def test_timing_probes_lower_for_h200(probe, loads, sym):
     """The stage-skipping variants that place the kernel's time by differences lower under both semantics (Lane for
     `perm`, Warpgroup for the others), and on symmetric weights with the Hopper table's `scale_after` and two groups
     per step (the configuration the skeleton probes `skip_x` and `skip_mma` keep); an unknown probe is refused."""
-    import dataclasses
-
     sds = jax.ShapeDtypeStruct
     k, n, g = 4096, 4096, 128
     cfg = dataclasses.replace(mg.default_config(1, k, n, g, 4), loads=loads, probe=probe,
@@ -157,8 +155,6 @@ def test_timing_probes_lower_for_h200(probe, loads, sym):
 def test_scale_after_interpret_matches_reference_and_lowers():
     """`scale_after` (symmetric weights): wgmma on the raw codes per group, the scale applied to the float32 partial
     sums. Interpreted on the CPU against the float32 product, and lowered for an abstract H200 (perm loads)."""
-    import dataclasses
-
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rng = np.random.default_rng(11)
@@ -178,3 +174,37 @@ def test_scale_after_interpret_matches_reference_and_lowers():
         txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, big)).trace(
             sds((1, k), jnp.bfloat16), ws).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt
+
+
+@pytest.mark.parametrize("k,n,g,bits,m,k_perm,sym", [(14336, 4096, 128, 4, 1, True, True),
+                                                     (4096, 4096, 32, 4, 1, False, False),
+                                                     (4096, 128256, 32, 8, 9, False, True)])
+def test_programmatic_dependent_launch_lowers_for_h200(k, n, g, bits, m, k_perm, sym):
+    """`pdl`: the kernel prefetches its first weight steps to L2, then waits for the grid before it
+    (griddepcontrol.wait) and lets the next one launch; the module is marked for a PDL launch. Whether the launch
+    overlaps is for the GPU benchmark (LUCEBOX_MGPU_PDL=1)."""
+    sds = jax.ShapeDtypeStruct
+    cfg = dataclasses.replace(mg.default_config(m, k, n, g, bits), pdl=True)
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
+                      scales=sds((k // g, n), jnp.float16), offsets=None if sym else sds((k // g, n), jnp.float16),
+                      group_size=g, bits=bits, k_perm=k_perm)
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "uses_pdl" in txt and "griddepcontrol.wait" in txt and "prefetch" in txt
+    plain = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, dataclasses.replace(cfg, pdl=False)))
+    with abstract_h200():
+        txt = plain.trace(sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "uses_pdl" not in txt and "griddepcontrol" not in txt
+
+
+def test_pdl_interprets_like_the_reference():
+    """The interpreter ignores `pdl` (it runs one kernel at a time): the same result as without."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(5)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32, symmetric=False)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2, pdl=True)
+    y = mg.mgpu_matmul(x, mg.repack(w), cfg, interpret=plgpu.InterpretGPUParams())
+    assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
