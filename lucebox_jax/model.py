@@ -175,6 +175,21 @@ def tree_attention(q, kc, vc, n_visible, k_win, v_win, anc, scale):
     return o.reshape(b, t, hq, hd).astype(q.dtype)
 
 
+def tree_rows(c, win, start, tree):
+    """One decode row per tree node (quant.ROW_INVARIANT): c [B, Hkv, S, hd] -> [B * T, Hkv, S, hd], row (b, t) the
+    cache of row b with its root-to-t path, win [B, T, Hkv, hd] (the window's new keys or values, in window order),
+    at slots start .. start + depth[t], where plain decoding would have put them. Slots past that hold other nodes
+    and are past the row's length. A copy of the cache per node: this mode is for equality, not speed."""
+    depth, anc = tree
+    b, t = depth.shape
+    on_path = anc[:, :, None, :] & (depth[:, None, None, :] == jnp.arange(t)[None, None, :, None])
+    path = jnp.argmax(on_path, axis=-1)  # [B, T nodes, T depths]: the window index of node t's ancestor at depth j
+    kv = jnp.take_along_axis(win[:, None], path[..., None, None], axis=2)  # [B, T, T, Hkv, hd]
+    kv = kv.reshape(b * t, t, *win.shape[2:]).transpose(0, 2, 1, 3).astype(c.dtype)
+    rows = jnp.repeat(c, t, axis=0)
+    return jax.vmap(lambda cc, n, st: jax.lax.dynamic_update_slice(cc, n, (0, st, 0)))(rows, kv, jnp.repeat(start, t))
+
+
 def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None,
             hidden_layers: tuple | None = None, tree=None, verify: bool = False):
     """Run `tokens` [B, T] at absolute positions start[b] + t; write their K/V into the cache.
@@ -187,7 +202,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     start + depth[t] but in cache slot start + t, and sees committed slots < start plus its ancestors `anc[t]`.
     verify: the tokens are a speculative verify; with quant.ROW_INVARIANT each position's attention then runs as a
     decode row of its own (the decode kernel over that row's cache prefix), so it rounds exactly as a plain decode
-    step would (the matmul kernels are row-invariant in that mode too).
+    step would (the matmul kernels are row-invariant in that mode too). A tree runs so in that mode whether or not
+    `verify` is given: each node a decode row over its own copy of the cache holding its path (`tree_rows`).
     """
     b, t = tokens.shape
     dt = jnp.dtype(cfg.dtype)
@@ -200,9 +216,11 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     new_k, new_v = [], []
     decode = t == 1
     as_decode = verify and t > 1 and tree is None and quant.ROW_INVARIANT  # read at trace time
+    tree_as_decode = tree is not None and quant.ROW_INVARIANT
     hidden = [None] * len(hidden_layers or ())
-    attn = ops.get("attention_decode" if decode or as_decode else "attention_prefill",
-                   kernels.attention_decode if decode or as_decode else kernels.attention_prefill)
+    by_rows = decode or as_decode or tree_as_decode
+    attn = ops.get("attention_decode" if by_rows else "attention_prefill",
+                   kernels.attention_decode if by_rows else kernels.attention_prefill)
     for i, lw in enumerate(w.layers):
         h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
         qkv = linear(h, lw.wqkv, lw.bqkv, kernels=kernels)
@@ -220,7 +238,11 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         new_v.append(vc)
         window = cfg.layer_window(i)
         extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
-        if tree is not None:
+        if tree_as_decode:  # node (b, t) reads its own row of B * T, up to its position
+            lens = (positions + 1).reshape(b * t)
+            o = attn(q.reshape(b * t, hq, hd), tree_rows(kc, k, start, tree), tree_rows(vc, v, start, tree), lens,
+                     scale=scale, **extra).reshape(b, t, hq, hd)
+        elif tree is not None:
             o = tree_attention(q, kc, vc, start, k, v, tree[1], scale)
         elif decode:
             o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]

@@ -155,6 +155,73 @@ def _verify_equals_decode_steps(kernels, preset="tiny", b=2, last_only=False):
             raise AssertionError(f"position {j}: logits differ; layers whose output differs: {diff[:8]}")
 
 
+def _tree_equals_decode_steps(kernels, preset="tiny", b=2):
+    """model.forward(tree=...) under the mode: every node's logits equal, bit for bit, those of the decode steps
+    along its root-to-node path (on a difference: the node and the first layers that differ)."""
+    from lucebox_jax.model import forward, init_cache
+    from lucebox_jax.tree import ancestors
+
+    _flag_is_on()
+    cfg, w = _model(preset)
+    layers, d, n = tuple(range(cfg.n_layers)), cfg.dim, 9
+    parent = jnp.asarray([[0, 0, 1, 1, 3, 4]] * b, jnp.int32)  # window indices; depths 1 1 2 2 3 3
+    depths = jnp.asarray([[1, 1, 2, 2, 3, 3]] * b, jnp.int32)
+    rng = np.random.default_rng(5)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, n)), jnp.int32)
+    win = jnp.asarray(rng.integers(0, cfg.vocab_size, (b, 7)), jnp.int32)  # root + 6 nodes
+    fwd = jax.jit(forward, static_argnames=("cfg", "kernels", "verify", "hidden_layers"))
+    _, cache = fwd(cfg, kernels, w, init_cache(cfg, b, 256), prompt, jnp.zeros((b,), jnp.int32))
+    start = jnp.full((b,), n, jnp.int32)
+    dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depths], axis=1)
+    tl, _, th = fwd(cfg, kernels, w, cache, win, start, tree=(dep, ancestors(parent, 3)), hidden_layers=layers)
+    par = [0, 0, 0, 1, 1, 3, 4]
+    for node in (5, 6, 4, 2):
+        path = [node]
+        while path[-1]:
+            path.append(par[path[-1]])
+        c = cache
+        for j, i in enumerate(reversed(path)):  # root first; window index i sits at position start + j
+            one, c, h = fwd(cfg, kernels, w, c, win[:, i:i + 1], start + j, hidden_layers=layers,
+                            last_only=jnp.zeros((b,), jnp.int32))
+            if not np.array_equal(np.asarray(one), np.asarray(tl[:, i])):
+                diff = [k for k in layers if not np.array_equal(np.asarray(h[:, 0, k * d:(k + 1) * d]),
+                                                                np.asarray(th[:, i, k * d:(k + 1) * d]))]
+                raise AssertionError(f"tree node {i} (depth {j}): logits differ; layers: {diff[:8]}")
+
+
+def _bf16_tree_greedy_equals_plain(kernels):
+    """Speculation with a tree (an untrained EAGLE head on the tiny bf16 model) returns plain greedy's tokens."""
+    from lucebox_jax.drafters.eagle import EagleConfig, EagleDrafter, init_head
+    from lucebox_jax.engine import Engine
+    from lucebox_jax.speculative import SpeculativeDecoder
+    from test_speculative import run, tiny_prompts
+
+    _flag_is_on()
+    cfg, w = _model("tiny")
+    eng = Engine(cfg, w, kernels)
+    hc = EagleConfig.for_target(cfg)
+    spec = SpeculativeDecoder(eng, EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng), 3, tree=12)
+    ps = tiny_prompts([10, 17, 5], seed=3)
+    assert run(eng, spec, ps, 20) == run(eng, None, ps, 20)
+    assert run(eng, spec, ps[:1], 20) == run(eng, None, ps[:1], 20)
+
+
+@pytest.mark.parametrize("names", ["xla", "pallas"])
+def test_tree_equals_decode_steps(names):
+    ks = "KernelSet()" if names == "xla" else 'KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")'
+    _in_process_with_flag(f"_tree_equals_decode_steps({ks})")
+
+
+def test_bf16_tree_greedy_equals_plain():
+    _in_process_with_flag("_bf16_tree_greedy_equals_plain(KernelSet())")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,b", [("tiny", 2), ("smollm2-135m", 4)])
+def test_gpu_tree_equals_decode_steps(preset, b):
+    _in_process_with_flag(f"_tree_equals_decode_steps(KernelSet.resolve(), {preset!r}, {b})")
+
+
 def test_pallas_kernels_rows_invariant_interpreted():
     _kernel_rows_equal(jnp.bfloat16, interpret=True)
 
