@@ -4,7 +4,8 @@
 # job, and check that greedy tokens with the `mgpu` kernels equal those with `xla` (issue 11).
 # The GGUF (98 MB) travels in two halves (.gl/smol.part00 in the call before, copied to /tmp; .gl/smol.part01 now).
 # Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT, logs.tgz)
-# TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part (RI_TESTS=0 the row-invariance pytest alone); RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
+# TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part (RI_TESTS=0 the row-invariance pytest alone); SPEC_EQ=1 adds
+# check_spec_equal.py under the mode; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
 # EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -34,6 +35,11 @@ if [ "${ROW_INV:-1}" = 1 ]; then
       --drafters eagle --always --budget 120 > "$OUT/spec_batch_ri$ri.log" 2>&1
     mv "$OUT/bench_spec_batch.json" "$OUT/spec_batch_ri$ri.json" 2>/dev/null; grep -E "^\| 8 " "$OUT/spec_batch_ri$ri.log"
   done
+fi
+if [ "${SPEC_EQ:-0}" = 1 ]; then
+  # issue 13's lossless target under the row-invariant mode: chains and a tree, batch 1 and 4, against plain greedy
+  LUCEBOX_ROW_INVARIANT=1 timeout "${SPEC_EQ_SECONDS:-240}" python3 benchmarks/check_spec_equal.py --model "$M" \
+    > "$OUT/spec_equal.log" 2>&1; grep -E "equal|plain" "$OUT/spec_equal.log" | tail -8
 fi
 if [ "${SPEC:-1}" = 1 ]; then
   timeout "$(( ${SPEC_SECONDS:-200} + 30 ))" python3 benchmarks/bench_spec.py --model "$M" \
