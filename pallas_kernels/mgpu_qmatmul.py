@@ -2,9 +2,9 @@
 scales (and mins) applied in registers, split-K; registered as kernel `mgpu` by `lucebox_jax/kernels_mgpu.py`.
 
 Swap-AB: the weight is the wgmma M side (output features n, `tile_m` rows per compute warpgroup) and the activations
-x^T the N side (`tile_t` tokens, padded to 16 at least), so a decode step with one token still fills the tensor-core
-tile from the weight. The weight is repacked once at load time (`repack`) into a group-major layout whose pipeline
-step is a clean TMA box:
+x^T the N side (`tile_t` tokens, 16 at least: TMA fills the rows past M with zeros), so a decode step with one token
+still fills the tensor-core tile from the weight. The float32 sums are stored transposed, token-major. The weight
+is repacked once at load time (`repack`) into a group-major layout whose pipeline step is a clean TMA box:
 
   codes    int4 (or int8) [K // g, N, g]  signed: c = q - 8 for int4 (the engine's `QuantArray` stores q in 0..15)
   scales   float16/32     [K // g, N]     unchanged from `QuantArray` / `Int8Array`
@@ -275,13 +275,12 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     work = n_tiles * t_tiles * splits
     asym = w.offsets is not None
     out_dtype = jnp.float32 if splits > 1 else jnp.bfloat16
-    # On the GPU x [M, K] goes in as it is and the output keeps only the columns TMA must write (M rounded up to 16
-    # bytes): a token tile reaching past M reads zeros (TMA fills rows out of bounds) and its writes past the output's
-    # columns are dropped. A decode step then needs no pad / transpose kernel before each matmul (4 per layer, 1.5-2.2
-    # us each on the H200) and split-K partials shrink 16x at M = 1. The interpreter clamps slices instead: there x
-    # is padded to whole token tiles and the output keeps them.
-    # TMA takes a global dimension smaller than the shared-memory tile's or a multiple of it: past 8 rows x (and the
-    # output) is padded to a multiple of 8.
+    # On the GPU x [M, K] goes in as it is and the output comes out token-major, [M, N]: a token tile reaching past M
+    # reads zeros (TMA fills rows out of bounds) and its writes past row M are dropped. A decode step then runs no pad,
+    # transpose or slice kernel around each matmul (4 pads per layer, 1.5-2.2 us each on the H200), and split-K
+    # partials are M rows, not 16. TMA takes a dimension smaller than the shared-memory tile's or a multiple of it:
+    # past 8 rows, x and the output are padded to a multiple of 8. The interpreter clamps slices instead of filling
+    # them: there x is padded to whole token tiles.
     direct = interpret is False
     xr = (m if m <= 8 else _round_up(m, 8)) if direct else mp
     xp = x.astype(jnp.bfloat16)
