@@ -189,31 +189,10 @@ def _tree_equals_decode_steps(kernels, preset="tiny", b=2):
                 raise AssertionError(f"tree node {i} (depth {j}): logits differ; layers: {diff[:8]}")
 
 
-def _bf16_tree_greedy_equals_plain(kernels):
-    """Speculation with a tree (an untrained EAGLE head on the tiny bf16 model) returns plain greedy's tokens."""
-    from lucebox_jax.drafters.eagle import EagleConfig, EagleDrafter, init_head
-    from lucebox_jax.engine import Engine
-    from lucebox_jax.speculative import SpeculativeDecoder
-    from test_speculative import run, tiny_prompts
-
-    _flag_is_on()
-    cfg, w = _model("tiny")
-    eng = Engine(cfg, w, kernels)
-    hc = EagleConfig.for_target(cfg)
-    spec = SpeculativeDecoder(eng, EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng), 3, tree=12)
-    ps = tiny_prompts([10, 17, 5], seed=3)
-    assert run(eng, spec, ps, 20) == run(eng, None, ps, 20)
-    assert run(eng, spec, ps[:1], 20) == run(eng, None, ps[:1], 20)
-
-
 @pytest.mark.parametrize("names", ["xla", "pallas"])
 def test_tree_equals_decode_steps(names):
     ks = "KernelSet()" if names == "xla" else 'KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")'
     _in_process_with_flag(f"_tree_equals_decode_steps({ks})")
-
-
-def test_bf16_tree_greedy_equals_plain():
-    _in_process_with_flag("_bf16_tree_greedy_equals_plain(KernelSet())")
 
 
 @pytest.mark.gpu
