@@ -8,7 +8,8 @@
 # TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
-# PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch).
+# PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch); MS (rows, default 1) and
+# DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -28,7 +29,7 @@ DEFAULT_VARIANTS='{"probe":"skip_x"};{"probe":"skip_mma"};{"probe":"skip_mma","s
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   for c in ${CASES:-gate_up down qkv o}; do
-    timeout "$(( ${SWEEP_BUDGET:-60} + 40 ))" python3 benchmarks/bench_mgpu.py --ms 1 --cases "$c" --loads perm \
+    timeout "$(( ${SWEEP_BUDGET:-60} + 40 ))" python3 benchmarks/bench_mgpu.py --ms "${MS:-1}" --cases "$c" --loads perm \
       $([ "${FULL_SWEEP:-0}" = 1 ] && echo --max-configs "${MAX_CONFIGS:-12}" || echo --no-sweep) \
       --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS-$DEFAULT_VARIANTS}" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
     echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
@@ -39,10 +40,11 @@ fi
 if [ "${DECODE:-0}" = 1 ]; then
   SETS=${DECODE_SETS:-qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas}
   DUMP_HLO=$([ "${PROFILE:-0}" = 1 ] && echo "$OUT") timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
-    --models llama3-8b --batches 1 --xla-batches '' --kernel-sets "$SETS" --reps 2 \
+    --models llama3-8b --batches "${DECODE_BATCHES:-1}" --xla-batches '' --kernel-sets "$SETS" --reps 2 \
     $([ "${PROFILE:-0}" = 1 ] && echo --profile) > "$OUT/decode.log" 2>&1  # (PROFILE=1 also keeps the step's HLO)
   if [ "${PDL_AB:-0}" = 1 ]; then  # the same step with programmatic dependent launch (LUCEBOX_MGPU_PDL=1)
-    LUCEBOX_MGPU_PDL=1 timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b --batches 1 \
+    LUCEBOX_MGPU_PDL=1 timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b \
+      --batches "${DECODE_BATCHES:-1}" \
       --xla-batches '' --kernel-sets "$SETS" --reps 2 > "$OUT/decode_pdl.log" 2>&1
     echo "with LUCEBOX_MGPU_PDL=1:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_pdl.log"; echo "without:"
   fi
