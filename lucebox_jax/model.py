@@ -159,14 +159,19 @@ def split_parts(y, groups: int, sizes: tuple[int, ...]) -> list:
     return parts
 
 
-def tree_attention(q, kc, vc, n_visible, k_win, v_win, anc, scale):
+def tree_attention(q, kc, vc, n_visible, k_win, v_win, anc, scale, positions=None, window=None):
     """Attention of a token tree: q [B, T, Hq, hd] sees cache slots < n_visible[b] of kc/vc [B, Hkv, S, hd] and the
-    window keys k_win/v_win [B, T2, Hkv, hd] where anc [B, T, T2] (its ancestors and itself). Plain XLA."""
+    window keys k_win/v_win [B, T2, Hkv, hd] where anc [B, T, T2] (its ancestors and itself). With a sliding `window`
+    W, a node at positions[b, t] sees only cache slots > positions - W (its ancestors are nearer than W). Plain XLA."""
     b, t, hq, hd = q.shape
     hkv, s = kc.shape[1], kc.shape[2]
     qg = q.reshape(b, t, hkv, hq // hkv, hd).astype(jnp.float32)
     sc = jnp.einsum("bthgd,bhsd->bhgts", qg, kc.astype(jnp.float32)) * scale
-    sc = jnp.where((jnp.arange(s)[None, :] < n_visible[:, None])[:, None, None, None, :], sc, -1e30)
+    slot = jnp.arange(s)[None, None, :]
+    seen = slot < n_visible[:, None, None]  # [B, T, S]
+    if window is not None:
+        seen = seen & (slot > positions[:, :, None] - window)
+    sc = jnp.where(seen[:, None, None], sc, -1e30)
     sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win.astype(jnp.float32)) * scale
     sw = jnp.where(anc[:, None, None], sw, -1e30)
     p = jax.nn.softmax(jnp.concatenate([sc, sw], axis=-1), axis=-1)
@@ -243,7 +248,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             o = attn(q.reshape(b * t, hq, hd), tree_rows(kc, k, start, tree), tree_rows(vc, v, start, tree), lens,
                      scale=scale, **extra).reshape(b, t, hq, hd)
         elif tree is not None:
-            o = tree_attention(q, kc, vc, start, k, v, tree[1], scale)
+            o = tree_attention(q, kc, vc, start, k, v, tree[1], scale, positions, window)
         elif decode:
             o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
         elif as_decode:  # B * T decode rows: row (b, t) reads cache row b up to position start + t

@@ -1,6 +1,6 @@
 """Gemma 3 as configuration, on a tiny random model: sliding-window attention equals a plain numpy loop (llama.cpp's
 rule: a query at p sees keys p - W < k <= p), prefill, decode, chunked prefill and speculative verify agree with one
-another past the window, the Pallas wrappers fall back for windows shorter than the cache, and the GGUF metadata of
+another past the window (tree verification too), the Pallas wrappers fall back for windows shorter than the cache, and the GGUF metadata of
 a `gemma3` file maps to llama.cpp's settings (every 6th layer global, local RoPE base 10000)."""
 
 import jax
@@ -117,6 +117,18 @@ def test_decode_and_verify_past_the_window_equal_full_forwards(eng):
     assert greedy(eng, prompt, 12) == ref
     # layer skip: its drafts run the windowed first layer, the verify all layers over K + 1 positions
     assert greedy(eng, prompt, 12, SpeculativeDecoder(eng, build("layers:1", eng), 3)) == ref
+
+
+def test_tree_verify_past_the_window_equals_plain(eng):
+    """A tree verify (`--tree`, an untrained EAGLE head) on the windowed model: each node sees only the last W
+    positions, as a decode step would (tree attention once ignored the window, so the root's logits past the window
+    differed from plain decoding)."""
+    from lucebox_jax.drafters.eagle import EagleConfig, EagleDrafter, init_head
+
+    hc = EagleConfig.for_target(CFG)
+    spec = SpeculativeDecoder(eng, EagleDrafter(hc, init_head(hc, jax.random.key(2)), eng), 3, tree=9)
+    prompt = [int(t) for t in np.random.default_rng(2).integers(0, CFG.vocab_size, 23)]
+    assert greedy(eng, prompt, 12, spec) == naive_greedy(CFG, KS, eng.weights, prompt, 12)
 
 
 def test_window_changes_the_output(eng):
