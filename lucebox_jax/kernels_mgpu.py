@@ -14,6 +14,7 @@ shapes whose table entry measured faster than Pallas-Triton (`"default": true`),
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
@@ -60,8 +61,6 @@ def m_bucket(m: int) -> int:
 
 
 def config_for(m: int, k: int, n: int, g: int, bits: int):
-    import dataclasses
-
     from pallas_kernels import mgpu_qmatmul as mg
 
     cfg = None

@@ -3,8 +3,8 @@ scales (and mins) applied in registers, split-K; registered as kernel `mgpu` by 
 
 Swap-AB: the weight is the wgmma M side (output features n, `tile_m` rows per compute warpgroup) and the activations
 x^T the N side (`tile_t` tokens, 16 at least: TMA fills the rows past M with zeros), so a decode step with one token
-still fills the tensor-core tile from the weight. The float32 sums are stored transposed, token-major. The weight
-is repacked once at load time (`repack`) into a group-major layout whose pipeline step is a clean TMA box:
+still fills the tensor-core tile from the weight. The sums are stored transposed, token-major. The weight is
+repacked once at load time (`repack`) into a group-major layout whose pipeline step is a clean TMA box:
 
   codes    int4 (or int8) [K // g, N, g]  signed: c = q - 8 for int4 (the engine's `QuantArray` stores q in 0..15)
   scales   float16/32     [K // g, N]     unchanged from `QuantArray` / `Int8Array`
@@ -13,13 +13,14 @@ is repacked once at load time (`repack`) into a group-major layout whose pipelin
   value    = scales * c + offsets
 
 Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and offsets,
-and the x columns [tile_t, groups * g] (K-minor; each group's wgmma reads them as a transposed view). Per group, a compute warpgroup loads its [tile_m, g] codes into registers
-(one of three paths, `LOADS`: the K-permuted `perm` layout lets 32-bit loads land codes where wgmma wants them),
-converts them to bf16, applies the group's per-row scale (and min) as a row broadcast, and issues one wgmma against
-the group's x^T rows; the step's wgmmas are waited for once, after the last group (`wait_each_group` waits after
-each, which keeps one group's registers live at a time). With `scale_after` (symmetric weights) each group's raw
-codes go into a fresh accumulator instead (a step's groups all issued before any is read, so one group's conversion
-overlaps the previous group's wgmma), and its float32 sums are scaled: tm x tile_t multiplies, not tm x g.
+and the x rows [tile_t, groups * g] (K-minor; each group's wgmma reads its part as a transposed view, x^T). Per group,
+a compute warpgroup loads its [tile_m, g] codes into registers (one of three paths, `LOADS`: the K-permuted `perm`
+layout lets 32-bit loads land codes where wgmma wants them), converts them to bf16, applies the group's per-row scale
+(and min) as a row broadcast, and issues one wgmma against the group's x^T; the step's wgmmas are waited for once,
+after the last group (`wait_each_group` waits after each, which keeps one group's registers live at a time). With
+`scale_after` (symmetric weights) each group's raw codes go into a fresh accumulator instead (a step's groups all
+issued before any is read, so one group's conversion overlaps the previous group's wgmma), and its float32 sums are
+scaled: tm x tile_t multiplies, not tm x g.
 A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32 partial sums that
 one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
 on the engine's `QuantArray`.

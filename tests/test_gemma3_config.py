@@ -1,7 +1,7 @@
 """Gemma 3 as configuration, on a tiny random model: sliding-window attention equals a plain numpy loop (llama.cpp's
-rule: a query at p sees keys p - W < k <= p), prefill, decode, chunked prefill and speculative verify agree with one
-another past the window (tree verification too), the Pallas wrappers fall back for windows shorter than the cache, and the GGUF metadata of
-a `gemma3` file maps to llama.cpp's settings (every 6th layer global, local RoPE base 10000)."""
+rule: a query at p sees keys p - W < k <= p), prefill, decode, chunked prefill and speculative verify (chain and
+tree) agree with one another past the window, the Pallas wrappers fall back for windows shorter than the cache, and
+the GGUF metadata of a `gemma3` file maps to llama.cpp's settings (every 6th layer global, local RoPE base 10000)."""
 
 import jax
 import jax.numpy as jnp

@@ -191,8 +191,7 @@ def _tree_equals_decode_steps(kernels, preset="tiny", b=2):
 
 @pytest.mark.parametrize("names", ["xla", "pallas"])
 def test_tree_equals_decode_steps(names):
-    ks = "KernelSet()" if names == "xla" else 'KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")'
-    _in_process_with_flag(f"_tree_equals_decode_steps({ks})")
+    _in_process_with_flag(f"_tree_equals_decode_steps({KERNEL_SETS[names]})")
 
 
 @pytest.mark.gpu
@@ -213,6 +212,11 @@ def test_prefill_attention_rows_interpreted():
     _prefill_rows_equal(interpret=True)
 
 
+# the kernel sets of the CPU model-level checks, as source for `_in_process_with_flag`
+KERNEL_SETS = {"xla": "KernelSet()",
+               "pallas": 'KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")'}
+
+
 def _in_process_with_flag(call: str):
     """Run `call` (a function of this module with arguments, as source) in a fresh process with
     LUCEBOX_ROW_INVARIANT=1, which also turns off XLA's excess precision before the first compile (quant.py): the
@@ -230,8 +234,7 @@ def _flag_is_on():
 
 @pytest.mark.parametrize("names", ["xla", "pallas"])
 def test_verify_equals_decode_steps(names):
-    ks = "KernelSet()" if names == "xla" else 'KernelSet(qmatmul="pallas", qmatmul8="pallas", attention_decode="pallas")'
-    _in_process_with_flag(f"_verify_equals_decode_steps({ks}, last_only=True)")
+    _in_process_with_flag(f"_verify_equals_decode_steps({KERNEL_SETS[names]}, last_only=True)")
 
 
 @pytest.mark.gpu
