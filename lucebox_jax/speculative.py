@@ -340,8 +340,10 @@ class SpeculativeDecoder:
     def cache_len(self, needed: int) -> int:
         """Cache positions for prompt + completion of `needed` tokens plus the K + 1 (or tree) a verify writes."""
         extra = self.span + 1
-        if quant.ROW_INVARIANT:  # the same length as a plain run's (Engine.cache_len_for)
-            extra = max(extra, quant.ROW_INVARIANT_CACHE_MARGIN)
+        if quant.ROW_INVARIANT:  # a plain run's length (Engine.cache_len_for) wherever it holds the verify's window
+            plain = self.engine.cache_len_for(needed)
+            if plain >= needed + extra:
+                return plain
         return pow2_at_least(needed + extra, MIN_CACHE)
 
     # -------------------------------------------------------------------------------------------- state

@@ -413,8 +413,17 @@ def test_plain_and_speculative_caches_have_one_length(invariant):
 
     cfg, w = _model("tiny")
     eng = Engine(cfg, w, KernelSet())
+    cap = eng.cache_len_for(10 ** 6)
     for k in (2, 4, 8):
         spec = BatchSpec(build("ngram", eng), k)
         assert Scheduler(eng, slots=2, max_len=200, spec=spec).cache_len == Scheduler(eng, 2, 200).cache_len
-        for need in (10, 240, 250, 480):
+        for need in (10, 240, 250, 480, cap - 20):  # (the last: the plain length is capped at the context)
             assert SpeculativeDecoder(eng, build("ngram", eng), k).cache_len(need) == eng.cache_len_for(need)
+    # a tree's window (33 slots and the next token) is wider than the margin: still the plain length where it fits,
+    # also where the plain length is capped at the model's context
+    from lucebox_jax.drafters.eagle import EagleConfig, EagleDrafter, init_head
+
+    hc = EagleConfig.for_target(cfg)
+    tree = SpeculativeDecoder(eng, EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng), 4, tree=32)
+    for need in (10, 200, cap - 40):
+        assert tree.cache_len(need) == eng.cache_len_for(need) >= need + tree.span + 1, need
