@@ -141,7 +141,7 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
     hlo = lowered.compile().as_text()
     n_kernels = count_kernels(hlo)
     if os.environ.get("DUMP_HLO"):  # the optimized step, to name every fusion a profile lists (DUMP_HLO=<folder>)
-        with open(os.path.join(os.environ["DUMP_HLO"], f"step_hlo_{name}_b{batch}.txt"), "w") as f:
+        with open(os.path.join(os.environ["DUMP_HLO"], f"step_hlo_{name}_b{batch}_{kernels.qmatmul}.txt"), "w") as f:
             f.write(hlo)
     args = dict(max_new=n_tokens)
     out = generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)

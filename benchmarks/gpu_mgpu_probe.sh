@@ -8,8 +8,8 @@
 # TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
-# PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch); MS (rows, default 1) and
-# DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8.
+# PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch; PDL_SETS, default `best` only); MS (rows, default 1) and
+# DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -45,9 +45,16 @@ if [ "${DECODE:-0}" = 1 ]; then
   if [ "${PDL_AB:-0}" = 1 ]; then  # the same step with programmatic dependent launch (LUCEBOX_MGPU_PDL=1)
     LUCEBOX_MGPU_PDL=1 timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b \
       --batches "${DECODE_BATCHES:-1}" \
-      --xla-batches '' --kernel-sets "$SETS" --reps 2 > "$OUT/decode_pdl.log" 2>&1
+      --xla-batches '' --kernel-sets "${PDL_SETS:-qmatmul=best,qmatmul8=best}" --reps 2 > "$OUT/decode_pdl.log" 2>&1
     echo "with LUCEBOX_MGPU_PDL=1:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_pdl.log"; echo "without:"
   fi
+  # FLAG_AB='flags;flags': the `best` step at batch 1 again under each XLA_FLAGS setting (fewer, larger fusions?)
+  IFS=';' read -ra FLAG_SETS <<< "${FLAG_AB:-}"
+  for i in "${!FLAG_SETS[@]}"; do
+    XLA_FLAGS="${FLAG_SETS[$i]}" timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b \
+      --batches 1 --xla-batches '' --kernel-sets "qmatmul=best,qmatmul8=best" --reps 2 > "$OUT/decode_flags$i.log" 2>&1
+    echo "XLA_FLAGS=${FLAG_SETS[$i]}:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_flags$i.log" | grep -v "^{"
+  done
   sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode.log"; grep -A24 "profile per step" "$OUT/decode.log" | grep -v "^  [a-z_.0-9]*fusion[a-z_.0-9]* " | head -60
   [ -f .peers/peer_bench.py ] && timeout 150 python3 .peers/peer_bench.py --sections D_int4_b1 --budget 140 \
     > "$OUT/peer.log" 2>&1; grep "^D |" "$OUT/peer.log"
