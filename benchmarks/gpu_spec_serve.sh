@@ -30,7 +30,7 @@ if [ "${ROW_INV:-1}" = 1 ]; then
     timeout "${RI_TEST_SECONDS:-420}" python3 -m pytest -q -p no:cacheprovider tests/test_row_invariant.py -m gpu > "$OUT/ri_tests.log" 2>&1
     tail -3 "$OUT/ri_tests.log"
   fi
-  for ri in ${RI_LEVELS:-0 1}; do
+  for ri in ${RI_LEVELS-0 1}; do  # (RI_LEVELS="" runs none)
     LUCEBOX_ROW_INVARIANT=$ri timeout 200 python3 benchmarks/bench_spec_batch.py --model "$M" --slots 8 \
       --drafters eagle --always --budget 120 > "$OUT/spec_batch_ri$ri.log" 2>&1
     mv "$OUT/bench_spec_batch.json" "$OUT/spec_batch_ri$ri.json" 2>/dev/null; grep -E "^\| 8 " "$OUT/spec_batch_ri$ri.log"
