@@ -151,8 +151,11 @@ def bench_synthetic(args):
 
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     cfg = PRESETS[args.syn_preset].replace(dtype=dtype)
-    kernels = KernelSet.resolve(None)
-    w = random_weights(cfg, jax.random.key(0), group_size=128 if cfg.dim >= 128 else 32)
+    from lucebox_jax import ops
+
+    kernels = KernelSet.resolve(args.syn_kernels)
+    # repacked once for kernels that prepare weights (mgpu/best): unprepared weights would run their fallback
+    w = ops.prepare_weights(random_weights(cfg, jax.random.key(0), group_size=128 if cfg.dim >= 128 else 32), kernels)
     ctx, s_len, reps = args.context, 2 * args.context, args.syn_reps
     rp = RowParams.from_params([SamplingParams(temperature=0)])
     seen = jnp.zeros((1, cfg.vocab_size), bool)
@@ -304,6 +307,8 @@ def main():
     ap.add_argument("--syn-trees", default="32", help="tree verify sizes (nodes; 8 branches x depth 4 for 32)")
     ap.add_argument("--syn-reps", type=int, default=16)
     ap.add_argument("--syn-preset", default="llama3-8b", help="synthetic.PRESETS name (tiny: a CPU smoke test)")
+    ap.add_argument("--syn-kernels", default=None,
+                    help="kernel choices for part B, e.g. attention_tree=pallas (default: the backend's defaults)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for part B")

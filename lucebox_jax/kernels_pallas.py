@@ -19,7 +19,8 @@ from . import kernels_xla, ops, quant
 log = logging.getLogger(__name__)
 
 # which ops make `pallas` the GPU default (from the H200 measurement)
-_GPU_DEFAULT = {"qmatmul": True, "qmatmul8": True, "attention_decode": True, "attention_prefill": True}
+_GPU_DEFAULT = {"qmatmul": True, "qmatmul8": True, "attention_decode": True, "attention_prefill": True,
+                "attention_tree": False}  # (not measured on the GPU yet)
 # qmatmul rows above this go to XLA's dequantize + dot on the GPU (H200: Pallas 1.1-2.3x faster at M <= 64,
 # XLA 1.6-2x faster at M = 512)
 _PALLAS_MAX_M = 64
@@ -27,6 +28,7 @@ _PALLAS_MAX_M = 64
 try:
     from pallas_kernels.attention_decode import attention_decode_pallas
     from pallas_kernels.attention_prefill import attention_prefill_pallas
+    from pallas_kernels.attention_tree import attention_tree
     from pallas_kernels.int4_matmul import qmatmul_pallas
     from pallas_kernels.int8_matmul import qmatmul8_pallas
 except Exception as e:  # noqa: BLE001 - any import failure must not break the package
@@ -79,3 +81,10 @@ else:
             return kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale, window=window)
         return attention_prefill_pallas(q, k, v, start, scale=scale, interpret=_interpret(),
                                         row_invariant=_invariant())
+
+    @ops.register("attention_tree", "pallas", default_on=_on("attention_tree"))
+    def attention_tree_pallas_op(q, k, v, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None):
+        if not _pow2(q.shape[-1]) or _windowed(k, window):
+            return kernels_xla.attention_tree_xla(q, k, v, n_visible, k_win, v_win, anc, scale=scale,
+                                                  positions=positions, window=window)
+        return attention_tree(q, k, v, n_visible, k_win, v_win, anc, scale=float(scale), interpret=_interpret())

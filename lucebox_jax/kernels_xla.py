@@ -84,3 +84,25 @@ def attention_decode_xla(q, k, v, lengths, rows=None, *, scale, window: int | No
         k, v = k[rows], v[rows]
     out = attention_prefill_xla(q[:, None], k, v, lengths - 1, scale=scale, window=window)
     return out[:, 0]
+
+
+@ops.register("attention_tree", "xla", default_on=("cpu", "gpu"))
+def attention_tree_xla(q, kc, vc, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None):
+    """Attention of a token tree: q [B, T, Hq, hd] sees cache slots < n_visible[b] of kc/vc [B, Hkv, S, hd] and the
+    window keys k_win/v_win [B, T2, Hkv, hd] where anc [B, T, T2] (its ancestors and itself). With a sliding `window`
+    W, a node at positions[b, t] sees only cache slots > positions - W (its ancestors are nearer than W)."""
+    b, t, hq, hd = q.shape
+    hkv, s = kc.shape[1], kc.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, hd).astype(jnp.float32)
+    sc = jnp.einsum("bthgd,bhsd->bhgts", qg, kc.astype(jnp.float32)) * scale
+    slot = jnp.arange(s)[None, None, :]
+    seen = slot < n_visible[:, None, None]  # [B, T, S]
+    if window is not None:
+        seen = seen & (slot > positions[:, :, None] - window)
+    sc = jnp.where(seen[:, None, None], sc, _NEG)
+    sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win.astype(jnp.float32)) * scale
+    sw = jnp.where(anc[:, None, None], sw, _NEG)
+    p = jax.nn.softmax(jnp.concatenate([sc, sw], axis=-1), axis=-1)
+    o = (jnp.einsum("bhgts,bhsd->bthgd", p[..., :s], vc.astype(jnp.float32))
+         + jnp.einsum("bhgtj,bjhd->bthgd", p[..., s:], v_win.astype(jnp.float32)))
+    return o.reshape(b, t, hq, hd).astype(q.dtype)

@@ -165,27 +165,6 @@ def split_parts(y, groups: int, sizes: tuple[int, ...]) -> list:
     return parts
 
 
-def tree_attention(q, kc, vc, n_visible, k_win, v_win, anc, scale, positions=None, window=None):
-    """Attention of a token tree: q [B, T, Hq, hd] sees cache slots < n_visible[b] of kc/vc [B, Hkv, S, hd] and the
-    window keys k_win/v_win [B, T2, Hkv, hd] where anc [B, T, T2] (its ancestors and itself). With a sliding `window`
-    W, a node at positions[b, t] sees only cache slots > positions - W (its ancestors are nearer than W). Plain XLA."""
-    b, t, hq, hd = q.shape
-    hkv, s = kc.shape[1], kc.shape[2]
-    qg = q.reshape(b, t, hkv, hq // hkv, hd).astype(jnp.float32)
-    sc = jnp.einsum("bthgd,bhsd->bhgts", qg, kc.astype(jnp.float32)) * scale
-    slot = jnp.arange(s)[None, None, :]
-    seen = slot < n_visible[:, None, None]  # [B, T, S]
-    if window is not None:
-        seen = seen & (slot > positions[:, :, None] - window)
-    sc = jnp.where(seen[:, None, None], sc, -1e30)
-    sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win.astype(jnp.float32)) * scale
-    sw = jnp.where(anc[:, None, None], sw, -1e30)
-    p = jax.nn.softmax(jnp.concatenate([sc, sw], axis=-1), axis=-1)
-    o = (jnp.einsum("bhgts,bhsd->bthgd", p[..., :s], vc.astype(jnp.float32))
-         + jnp.einsum("bhgtj,bjhd->bthgd", p[..., s:], v_win.astype(jnp.float32)))
-    return o.reshape(b, t, hq, hd).astype(q.dtype)
-
-
 def tree_rows(c, win, start, tree):
     """One decode row per tree node (quant.ROW_INVARIANT): c [B, Hkv, S, hd] -> [B * T, Hkv, S, hd], row (b, t) the
     cache of row b with its root-to-t path, win [B, T, Hkv, hd] (the window's new keys or values, in window order),
@@ -254,7 +233,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             o = attn(q.reshape(b * t, hq, hd), tree_rows(kc, k, start, tree), tree_rows(vc, v, start, tree), lens,
                      scale=scale, **extra).reshape(b, t, hq, hd)
         elif tree is not None:
-            o = tree_attention(q, kc, vc, start, k, v, tree[1], scale, positions, window)
+            o = ops.get("attention_tree", kernels.attention_tree)(q, kc, vc, start, k, v, tree[1], scale=scale,
+                                                                  positions=positions, window=window)
         elif decode:
             o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
         elif as_decode:  # B * T decode rows: row (b, t) reads cache row b up to position start + t

@@ -28,7 +28,7 @@ import jax
 
 from .errors import UnknownKernelError
 
-OPS = ("qmatmul", "qmatmul8", "attention_prefill", "attention_decode")
+OPS = ("qmatmul", "qmatmul8", "attention_prefill", "attention_decode", "attention_tree")
 
 OP_SIGNATURES = {
     "qmatmul": "fn(x [M, K], w: QuantArray [K, N]) -> [M, N] (x.dtype)",
@@ -43,6 +43,12 @@ OP_SIGNATURES = {
         "row b sees cache positions < lengths[b]; window=W (static, only for sliding-window layers) keeps the "
         "last W of them; optional rows [B] int32 after lengths (only in a row-invariant verify): query row b reads "
         "cache row rows[b]"
+    ),
+    "attention_tree": (
+        "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "
+        "v_win [B, T2, Hkv, D], anc [B, T, T2] bool, *, scale, positions=None, window=None) -> [B, T, Hq, D]; "
+        "a speculative tree's nodes: node t sees cache slots < n_visible[b] and window keys j where anc[b, t, j]; "
+        "with window=W (sliding-window layers) a node at positions[b, t] sees only cache slots > positions - W"
     ),
 }
 
@@ -170,6 +176,7 @@ class KernelSet:
     qmatmul8: str = "xla"
     attention_prefill: str = "xla"
     attention_decode: str = "xla"
+    attention_tree: str = "xla"
 
     @classmethod
     def resolve(cls, spec: "str | dict | KernelSet | None" = None, backend: str | None = None) -> "KernelSet":

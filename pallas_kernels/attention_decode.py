@@ -43,7 +43,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, seq, qk_scale, n_split):
+def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials):
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kb = row_ref[b]  # the cache row this query row reads
     length = jnp.minimum(len_ref[b], seq)
@@ -74,7 +74,7 @@ def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, 
 
     init = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), _NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
     acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, init)
-    if n_split == 1:
+    if n_split == 1 and not partials:
         (o_ref,) = out_refs
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
         plgpu.store(o_ref.at[b, h, pl.ds(0, bh), :], out.astype(o_ref.dtype), mask=rmask[:, None])
@@ -95,14 +95,19 @@ def default_config(b: int, hkv: int, s: int, d: int) -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant"),
+                     "row_invariant", "partials"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, *, scale: float, block_k: int = 64, n_split: int | None = None, num_warps: int = 4,
     num_stages: int = 3, interpret: bool = False, min_programs: int = 264, row_invariant: bool = False,
+    partials: bool = False,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
-    row b reads cache row b) -> [B, Hq, D] (q.dtype)."""
+    row b reads cache row b) -> [B, Hq, D] (q.dtype).
+
+    partials=True returns the softmax unnormalised instead, to be merged with other keys (a tree's window,
+    `attention_tree.py`): (acc [B, Hq, D], m [B, Hq], l [B, Hq]) in float32, where out = acc / l and m is the
+    running maximum of the scores in log2 units (scale * log2(e) * q.k); a row that sees no key has l = 0."""
     bsz, hq, d = q.shape
     _, hkv, seq, _ = k.shape
     rows = jnp.arange(bsz, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
@@ -121,9 +126,9 @@ def attention_decode(
     qg = q.reshape(bsz, hkv, g, d)
     lengths = lengths.astype(jnp.int32)
     kern = functools.partial(
-        _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split
+        _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split, partials=partials
     )
-    if n_split == 1:
+    if n_split == 1 and not partials:
         out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
     else:
         out_shape = [
@@ -139,7 +144,7 @@ def attention_decode(
         interpret=interpret,
         name="attention_decode",
     )(lengths, rows, qg, k, v)
-    if n_split == 1:
+    if n_split == 1 and not partials:
         return outs[0].reshape(bsz, hq, d)
     o, m, l = outs
     m_max = jnp.max(m, axis=2, keepdims=True)
@@ -147,6 +152,8 @@ def attention_decode(
     add = (lambda t: ordered_sum(jnp.moveaxis(t, 2, 0))) if row_invariant else (lambda t: jnp.sum(t, axis=2))
     l_tot = add(w * l)
     o_tot = add(w[..., None] * o)
+    if partials:
+        return o_tot.reshape(bsz, hq, d), m_max[:, :, 0].reshape(bsz, hq), l_tot.reshape(bsz, hq)
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
     return out.reshape(bsz, hq, d).astype(q.dtype)
 

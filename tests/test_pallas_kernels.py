@@ -20,6 +20,7 @@ from lucebox_jax import kernels_xla, ops
 from lucebox_jax.quant import Int8Array, QuantArray
 from pallas_kernels.attention_decode import attention_decode, attention_decode_reference
 from pallas_kernels.attention_prefill import attention_prefill, attention_prefill_reference
+from pallas_kernels.attention_tree import attention_tree, attention_tree_reference
 from pallas_kernels.int4_matmul import int4_matmul, int4_matmul_reference
 from pallas_kernels.int8_matmul import int8_matmul, int8_matmul_reference
 
@@ -175,6 +176,48 @@ def test_attention_decode_registered():
     lengths = jnp.asarray([40, 9], jnp.int32)
     y = ops.get("attention_decode", "pallas")(q, k, v, lengths, scale=0.125)
     assert rel(y, kernels_xla.attention_decode_xla(q, k, v, lengths, scale=0.125)) < TOL[jnp.float32]
+
+
+# ------------------------------------------------------------------------------------------------ tree attention
+TCASES = [  # B, T nodes, Hq, Hkv, S, D, visible cache slots, dtype, knobs
+    (1, 9, 8, 2, 96, 64, [37], jnp.float32, dict(block_k=32)),  # G = 4: 36 query rows per kv head, one tile
+    (2, 33, 9, 3, 80, 64, [0, 71], jnp.bfloat16, dict(block_k=32)),  # SmolLM2 heads, 33 nodes: 2 tiles
+    (2, 5, 4, 4, 64, 32, [64, 1], jnp.float32, dict(block_k=16, rows_per_tile=2)),  # an empty prefix; 3 tiles
+]
+
+
+def _tree_inputs(b, t, hq, hkv, s, d, dt, seed):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), dt)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), dt) for _ in range(2))
+    kw, vw = (jnp.asarray(rng.standard_normal((b, t, hkv, d)), dt) for _ in range(2))
+    anc = jnp.asarray(rng.random((b, t, t)) < 0.4) | jnp.eye(t, dtype=bool)[None]  # a node always sees itself
+    return q, k, v, kw, vw, anc
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,vis,dt,kw", TCASES)
+def test_attention_tree(b, t, hq, hkv, s, d, vis, dt, kw):
+    q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, dt, t + s)
+    n_visible, scale = jnp.asarray(vis, jnp.int32), d**-0.5
+    y = attention_tree(q, k, v, n_visible, k_win, v_win, anc, scale=scale, interpret=True, **kw)
+    assert y.shape == q.shape and y.dtype == q.dtype
+    assert rel(y, attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, scale=scale)) < TOL[dt]
+    xla = kernels_xla.attention_tree_xla(q, k, v, n_visible, k_win, v_win, anc, scale=scale)
+    assert rel(y, xla) < TOL[dt]
+    assert rel(attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, scale=scale),
+               attention_tree_reference(q, k, v, n_visible, k_win, v_win, ~anc | jnp.eye(t, dtype=bool)[None],
+                                        scale=scale)) > 10 * TOL[dt]  # (the mask matters at these sizes)
+
+
+def test_attention_tree_registered():
+    q, k, v, k_win, v_win, anc = _tree_inputs(2, 6, 9, 3, 40, 64, jnp.float32, 13)
+    vis = jnp.asarray([40, 9], jnp.int32)
+    y = ops.get("attention_tree", "pallas")(q, k, v, vis, k_win, v_win, anc, scale=0.125)
+    assert rel(y, kernels_xla.attention_tree_xla(q, k, v, vis, k_win, v_win, anc, scale=0.125)) < TOL[jnp.float32]
+    pos = vis[:, None] + jnp.arange(6)[None]  # a sliding window shorter than the cache goes to XLA, the same call
+    got = ops.get("attention_tree", "pallas")(q, k, v, vis, k_win, v_win, anc, scale=0.125, positions=pos, window=8)
+    want = kernels_xla.attention_tree_xla(q, k, v, vis, k_win, v_win, anc, scale=0.125, positions=pos, window=8)
+    assert (got == want).all()
 
 
 # ------------------------------------------------------------------------------------------------ prefill attention

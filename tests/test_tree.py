@@ -115,3 +115,25 @@ def test_greedy_walk_equals_the_full_walk():
     for a, c in zip(full, fast):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert np.asarray(full[0]).max() >= 2  # some rows accept deep paths, so the comparison is not vacuous
+
+
+def test_tree_verify_through_the_pallas_tree_kernel(eng):
+    """The tree forward with `attention_tree=pallas` (the committed cache through the flash-decoding kernel,
+    interpreted here) gives the logits and cache of the XLA einsum path: batch 2, ragged prefixes, a 7-node tree."""
+    from lucebox_jax.model import forward, init_cache
+
+    parent = jnp.asarray([[0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 5]], jnp.int32)  # a bushy tree and a chain
+    anc = ancestors(parent, 6)
+    depth = jnp.sum(anc, axis=-1).astype(jnp.int32) - 1
+    cache = init_cache(CFG, 2, 64)
+    prompt = jnp.asarray(np.random.default_rng(0).integers(1, CFG.vocab_size, (2, 20)), jnp.int32)
+    _, cache = forward(CFG, KernelSet(), eng.weights, cache, prompt, jnp.zeros((2,), jnp.int32))
+    start = jnp.asarray([20, 13], jnp.int32)  # row 1 sees only its first 13 cached positions
+    toks = jnp.asarray(np.random.default_rng(1).integers(1, CFG.vocab_size, (2, 7)), jnp.int32)
+    want, cw = forward(CFG, KernelSet(), eng.weights, cache, toks, start, tree=(depth, anc))
+    got, cg = forward(CFG, KernelSet(attention_tree="pallas"), eng.weights, cache, toks, start, tree=(depth, anc))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+    for a, b in zip(cw.k + cw.v, cg.k + cg.v):  # (layers past the first hold keys made from its attention output)
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-4)
+    plain, _ = forward(CFG, KernelSet(), eng.weights, cache, toks, start)  # the mask matters: a chain is not a tree
+    assert not np.allclose(np.asarray(plain[0]), np.asarray(want[0]), atol=1e-3)

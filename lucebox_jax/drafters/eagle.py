@@ -252,9 +252,8 @@ class EagleDrafter(Drafter):
         ancestors' keys: the pattern the head was trained on). The head's cache is not changed.
         -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth); nodes are
         numbered depth-major: window index 1 + (d - 1) * width + w."""
-        from ..model import tree_attention
-
         hc = self.hc
+        tree_attention = ops.get("attention_tree", self.target.kernels.attention_tree)
         dt = jnp.dtype(hc.dtype)
         b, w = tok.shape[0], width
         lp = jax.nn.log_softmax(head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels))
@@ -272,7 +271,7 @@ class EagleDrafter(Drafter):
             anc = (wi[:, None, None] == wi[None, :, None]) & (jnp.arange(depth)[None, None, :] < d)
             anc = jnp.broadcast_to(anc.reshape(1, w, w * depth), (b, w, w * depth))
             o = tree_attention(q, state.k, state.v, start, ck.reshape(b, w * depth, *ck.shape[3:]),
-                               cv.reshape(b, w * depth, *cv.shape[3:]), anc, 1.0 / math.sqrt(hc.head_dim))
+                               cv.reshape(b, w * depth, *cv.shape[3:]), anc, scale=1.0 / math.sqrt(hc.head_dim))
             h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
             lp = jax.nn.log_softmax(head_logits(hc, params.head, h, params.lm_head, self.target.kernels))
             top_lp, top_tok = jax.lax.top_k(lp, w)  # [B, W, W]

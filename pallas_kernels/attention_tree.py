@@ -1,0 +1,76 @@
+"""Attention of a speculative token tree: the committed cache through the flash-decoding kernel, the tree in jnp.
+
+    node t of row b sees cache slots < n_visible[b] (the committed prefix)
+                    and the window keys j where anc[b, t, j] (its ancestors and itself: the tree's own new keys)
+
+The prefix is the long part. It runs through `attention_decode` (Pallas-Triton) with every node's query heads as
+extra query rows of their kv head: G x T rows per kv head, cut into tiles of at most `rows_per_tile` (the kernel
+holds one [rows, D] float32 accumulator per program), each tile a query row of its own that reads its batch row's
+cache (`rows=`). The kernel returns the softmax unnormalised (acc, max, sum). The window is a few dozen keys: a small
+float32 einsum, merged with the prefix by their maxima. XLA's einsum over the whole cache, which upcasts it to
+float32 and writes [T, S] scores per head, is what this replaces (`lucebox_jax.kernels_xla.attention_tree_xla`);
+`attention_tree_reference` is the plain-jnp twin.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .attention_decode import attention_decode
+
+__all__ = ["attention_tree", "attention_tree_reference"]
+
+_LOG2E = 1.4426950408889634
+_NEG = -1e30
+
+
+def attention_tree(q, k, v, n_visible, k_win, v_win, anc, *, scale: float, rows_per_tile: int = 64,
+                   interpret: bool = False, **cfg):
+    """q [B, T, Hq, D], k/v [B, Hkv, S, D] (the cache), n_visible [B] int32, k_win/v_win [B, T2, Hkv, D], anc
+    [B, T, T2] bool -> [B, T, Hq, D] (q.dtype). cfg: attention_decode's knobs (block_k, num_warps, ...)."""
+    b, t, hq, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    n = g * t  # query rows per kv head, ordered (g, t)
+    r = min(n, rows_per_tile)
+    c = -(-n // r)  # tiles per kv head
+    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, n, d)
+    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, c * r - n), (0, 0)))
+    qr = qr.reshape(b, hkv, c, r, d).transpose(0, 2, 1, 3, 4).reshape(b * c, hkv * r, d)
+    cache_row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), c)
+    acc, m, l = attention_decode(qr, k, v, jnp.repeat(n_visible.astype(jnp.int32), c), cache_row, scale=scale,
+                                 partials=True, interpret=interpret, **cfg)
+
+    def back(a):  # [B * C, Hkv * R, ...] -> [B, Hkv, G, T, ...]
+        a = a.reshape(b, c, hkv, r, *a.shape[2:]).swapaxes(1, 2).reshape(b, hkv, c * r, *a.shape[2:])
+        return a[:, :, :n].reshape(b, hkv, g, t, *a.shape[3:])
+
+    acc, m, l = back(acc), back(m), back(l)
+    qg = q.reshape(b, t, hkv, g, d).astype(jnp.float32)
+    sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    sw = jnp.where(anc[:, None, None], sw * (scale * _LOG2E), _NEG)  # log2 units, as the kernel's
+    m2 = jnp.max(sw, axis=-1)
+    p2 = jnp.exp2(sw - m2[..., None])
+    acc2 = jnp.einsum("bhgtj,bjhd->bhgtd", p2, v_win.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    mm = jnp.maximum(m, m2)
+    a1, a2 = jnp.exp2(m - mm), jnp.exp2(m2 - mm)  # a1 = 0 where the prefix is empty (m = -1e30)
+    out = (acc * a1[..., None] + acc2 * a2[..., None]) / (l * a1 + jnp.sum(p2, axis=-1) * a2)[..., None]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, *, scale: float):
+    """Plain jnp, float32: one softmax over the visible cache slots and the node's window keys."""
+    b, t, hq, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    qg = q.reshape(b, t, hkv, hq // hkv, d).astype(jnp.float32)
+    hi = lax.Precision.HIGHEST
+    sc = jnp.einsum("bthgd,bhsd->bhgts", qg, k.astype(jnp.float32), precision=hi) * scale
+    sc = jnp.where((jnp.arange(s)[None, :] < n_visible[:, None])[:, None, None, None], sc, -jnp.inf)
+    sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win.astype(jnp.float32), precision=hi) * scale
+    sw = jnp.where(anc[:, None, None], sw, -jnp.inf)
+    p = jax.nn.softmax(jnp.concatenate([sc, sw], axis=-1), axis=-1)
+    o = (jnp.einsum("bhgts,bhsd->bthgd", p[..., :s], v.astype(jnp.float32), precision=hi)
+         + jnp.einsum("bhgtj,bjhd->bthgd", p[..., s:], v_win.astype(jnp.float32), precision=hi))
+    return o.reshape(b, t, hq, d).astype(q.dtype)
