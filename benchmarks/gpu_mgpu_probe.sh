@@ -9,7 +9,9 @@
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
 # PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch; PDL_SETS, default `best` only); MS (rows, default 1) and
-# DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS.
+# DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS;
+# ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
+# verify of 9 rows and of a 32-node tree with attention_tree=xla, then =pallas (bench_spec.py part B).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -55,8 +57,21 @@ if [ "${DECODE:-0}" = 1 ]; then
       --batches 1 --xla-batches '' --kernel-sets "qmatmul=best,qmatmul8=best" --reps 2 > "$OUT/decode_flags$i.log" 2>&1
     echo "XLA_FLAGS=${FLAG_SETS[$i]}:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_flags$i.log" | grep -v "^{"
   done
+  if [ "${ATTN_AB:-0}" = 1 ]; then  # the decode attention's splits merged by a second Pallas kernel instead of XLA
+    LUCEBOX_ATTN_COMBINE=kernel timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models \
+      "${ATTN_MODELS:-llama3-8b,smollm2-135m}" --batches 1 --xla-batches '' --kernel-sets "qmatmul=best,qmatmul8=best" \
+      --reps 2 > "$OUT/decode_combine.log" 2>&1
+    echo "LUCEBOX_ATTN_COMBINE=kernel:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_combine.log" | grep -v "^{"
+  fi
   sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode.log"; grep -A24 "profile per step" "$OUT/decode.log" | grep -v "^  [a-z_.0-9]*fusion[a-z_.0-9]* " | head -60
   [ -f .peers/peer_bench.py ] && timeout 150 python3 .peers/peer_bench.py --sections D_int4_b1 --budget 140 \
     > "$OUT/peer.log" 2>&1; grep "^D |" "$OUT/peer.log"
+fi
+if [ "${TREE_AB:-0}" = 1 ]; then  # 8B verify costs (a chain of 9 rows, a tree of 32) with the XLA and Pallas tree attention
+  for tk in xla pallas; do
+    timeout 200 python3 benchmarks/bench_spec.py --no-embedded --syn-ks 8 --syn-trees 32 --budget 170 \
+      --syn-kernels "attention_tree=$tk" > "$OUT/spec_syn_$tk.log" 2>&1
+    echo "attention_tree=$tk:"; grep -E "decode step|^\| (8|tree)" "$OUT/spec_syn_$tk.log"
+  done
 fi
 (cd "$OUT" && tar czf /tmp/probe.tgz * 2>/dev/null && rm -rf "$OUT"/* && mv /tmp/probe.tgz . ; ls)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -85,29 +86,55 @@ def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, 
         plgpu.store(l_ref.at[b, h, sp, pl.ds(0, bh)], l_i, mask=rmask)
 
 
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, g, bh, n_split, nsp):
+    """One program per (row, kv head): the n_split partials of its G query heads merged by their maxima."""
+    b, h = pl.program_id(0), pl.program_id(1)
+    rmask = jnp.arange(bh) < g
+    mask = (jnp.arange(nsp) < n_split)[:, None] & rmask[None, :]
+    m = plgpu.load(m_ref.at[b, h, pl.ds(0, nsp), pl.ds(0, bh)], mask=mask, other=_NEG)  # [nsp, bh]
+    l = plgpu.load(l_ref.at[b, h, pl.ds(0, nsp), pl.ds(0, bh)], mask=mask, other=0)
+    m_max = jnp.max(m, axis=0)
+    w = jnp.exp2(m - m_max[None, :])
+    l_tot = jnp.sum(w * l, axis=0)
+
+    def body(i, acc):  # one split at a time: [nsp, bh, D] at once would not fit in registers
+        wi = jnp.exp2(plgpu.load(m_ref.at[b, h, i, pl.ds(0, bh)], mask=rmask, other=_NEG) - m_max)
+        oi = plgpu.load(o_ref.at[b, h, i, pl.ds(0, bh), :], mask=rmask[:, None], other=0)
+        return acc + wi[:, None] * oi
+
+    acc = lax.fori_loop(0, n_split, body, jnp.zeros((bh, o_ref.shape[-1]), jnp.float32))
+    out = acc / jnp.where(l_tot > 0, l_tot, 1.0)[:, None]
+    plgpu.store(out_ref.at[b, h, pl.ds(0, bh), :], out.astype(out_ref.dtype), mask=rmask[:, None])
+
+
 def default_config(b: int, hkv: int, s: int, d: int) -> dict:
-    """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps beyond."""
+    """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps beyond.
+    LUCEBOX_ATTN_COMBINE=kernel merges the splits in a second Pallas kernel instead of XLA's two fusions (not yet
+    measured on the GPU, so not the default)."""
+    combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "xla")
     if s >= 16384:
-        return dict(block_k=128, n_split=None, num_warps=8, num_stages=3)
-    return dict(block_k=64, n_split=None, num_warps=4, num_stages=3)
+        return dict(block_k=128, n_split=None, num_warps=8, num_stages=3, combine=combine)
+    return dict(block_k=64, n_split=None, num_warps=4, num_stages=3, combine=combine)
 
 
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant", "partials"),
+                     "row_invariant", "partials", "combine"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, *, scale: float, block_k: int = 64, n_split: int | None = None, num_warps: int = 4,
     num_stages: int = 3, interpret: bool = False, min_programs: int = 264, row_invariant: bool = False,
-    partials: bool = False,
+    partials: bool = False, combine: str = "xla",
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
 
     partials=True returns the softmax unnormalised instead, to be merged with other keys (a tree's window,
     `attention_tree.py`): (acc [B, Hq, D], m [B, Hq], l [B, Hq]) in float32, where out = acc / l and m is the
-    running maximum of the scores in log2 units (scale * log2(e) * q.k); a row that sees no key has l = 0."""
+    running maximum of the scores in log2 units (scale * log2(e) * q.k); a row that sees no key has l = 0.
+    combine: how n_split > 1 partials are merged: "xla" (jnp; XLA makes two small fusions of it) or "kernel" (one
+    Pallas program per row and kv head). A row-invariant call always merges in jnp, in split order."""
     bsz, hq, d = q.shape
     _, hkv, seq, _ = k.shape
     rows = jnp.arange(bsz, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
@@ -147,6 +174,17 @@ def attention_decode(
     if n_split == 1 and not partials:
         return outs[0].reshape(bsz, hq, d)
     o, m, l = outs
+    if combine == "kernel" and not (partials or row_invariant):
+        out = pl.pallas_call(
+            functools.partial(_combine_kernel, g=g, bh=bh, n_split=n_split, nsp=_next_pow2(n_split)),
+            out_shape=jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype),
+            grid=(bsz, hkv),
+            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+            interpret=interpret,
+            name="attention_decode_combine",
+        )(o, m, l)
+        return out.reshape(bsz, hq, d)
+    assert combine in ("xla", "kernel"), combine
     m_max = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_max)  # [B, Hkv, ns, G]
     add = (lambda t: ordered_sum(jnp.moveaxis(t, 2, 0))) if row_invariant else (lambda t: jnp.sum(t, axis=2))

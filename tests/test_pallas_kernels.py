@@ -167,6 +167,22 @@ def test_attention_decode(b, hq, hkv, s, d, lens, dt, kw):
     assert rel(y, kernels_xla.attention_decode_xla(q, k, v, lengths, scale=scale)) < TOL[dt]
 
 
+@pytest.mark.parametrize("b,hq,hkv,s,d,lens,dt,kw", DCASES[:2] + [(2, 8, 2, 80, 32, [80, 0], jnp.float32,
+                                                                      dict(block_k=16, n_split=5))])
+def test_attention_decode_combine_kernel(b, hq, hkv, s, d, lens, dt, kw):
+    """combine="kernel" (the splits merged by a second Pallas kernel) against the jnp merge of the same partials;
+    a row that sees no key gives zeros either way."""
+    rng = np.random.default_rng(s + hq + 1)
+    q = jnp.asarray(rng.standard_normal((b, hq, d)), dt)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), dt) for _ in range(2))
+    lengths = jnp.asarray(lens, jnp.int32)
+    got = attention_decode(q, k, v, lengths, scale=d**-0.5, interpret=True, combine="kernel", **kw)
+    want = attention_decode(q, k, v, lengths, scale=d**-0.5, interpret=True, combine="xla", **kw)
+    assert got.dtype == q.dtype and rel(got, want) < TOL[dt] / 10
+    assert rel(got[lengths > 0], attention_decode_reference(q, k, v, lengths, scale=d**-0.5)[lengths > 0]) < TOL[dt]
+    assert not np.asarray(got[lengths == 0]).any()
+
+
 def test_attention_decode_registered():
     rng = np.random.default_rng(11)
     b, hq, hkv, s, d = 2, 9, 3, 40, 64

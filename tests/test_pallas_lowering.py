@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from lucebox_jax.quant import Int8Array, QuantArray
 from pallas_kernels.attention_decode import attention_decode_pallas
 from pallas_kernels.attention_prefill import attention_prefill_pallas
+from pallas_kernels.attention_tree import attention_tree
 from pallas_kernels.int4_gemv import gemv_default_config, int4_gemv
 from pallas_kernels.int4_matmul import int4_matmul, qmatmul_pallas
 from pallas_kernels.int8_matmul import int8_matmul, qmatmul8_pallas
@@ -130,10 +131,21 @@ def test_lowering_catches_a_bad_tile():
 
 
 @pytest.mark.parametrize("b,hq,hkv,s,d", [(1, 9, 3, 8192, 64), (8, 32, 8, 4096, 128), (3, 32, 8, 32768, 128)])
-def test_attention_decode_lowers(b, hq, hkv, s, d):
+@pytest.mark.parametrize("combine", ["xla", "kernel"])
+def test_attention_decode_lowers(b, hq, hkv, s, d, combine):
     args = (SDS((b, hq, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16),
             SDS((b,), jnp.int32))
-    txt = lower_cuda(lambda q, k, v, n: attention_decode_pallas(q, k, v, n, scale=d ** -0.5, interpret=False), *args)
+    txt = lower_cuda(lambda q, k, v, n: attention_decode_pallas(q, k, v, n, scale=d ** -0.5, interpret=False,
+                                                                combine=combine), *args)
+    assert txt.count("xla.gpu.triton") == (2 if combine == "kernel" else 1)  # the combine: a second kernel
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d", [(1, 33, 9, 3, 2048, 64), (1, 33, 32, 8, 2048, 128), (4, 9, 32, 8, 4096, 128)])
+def test_attention_tree_lowers(b, t, hq, hkv, s, d):
+    args = (SDS((b, t, hq, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16),
+            SDS((b,), jnp.int32), SDS((b, t, hkv, d), jnp.bfloat16), SDS((b, t, hkv, d), jnp.bfloat16),
+            SDS((b, t, t), jnp.bool_))
+    txt = lower_cuda(lambda *a: attention_tree(*a, scale=d ** -0.5), *args)
     assert "xla.gpu.triton" in txt
 
 
