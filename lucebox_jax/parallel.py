@@ -192,8 +192,8 @@ class TensorParallel:
         return _sharded_init(self)(cfg, batch, max_len)
 
     def wrap_kernels(self, kernels: KernelSet) -> KernelSet:
-        """The kernel set with every non-`xla` attention kernel run per shard under shard_map, registered as
-        `NAME@tpN` (the qmatmul kernels already run per shard inside `ShardedLinear`)."""
+        """The kernel set with every non-`xla` attention kernel (trees included) run per shard under shard_map,
+        registered as `NAME@tpN` (the qmatmul kernels already run per shard inside `ShardedLinear`)."""
         chosen = {}
         for op in ("attention_decode", "attention_prefill"):
             name = getattr(kernels, op)
@@ -203,6 +203,12 @@ class TensorParallel:
             ops.register(op, wrapped)(_per_shard_attention(ops.get(op, name), self.mesh, self.heads_split,
                                                            decode=op == "attention_decode"))
             chosen[op] = wrapped
+        name = kernels.attention_tree
+        if name != "xla" and "@tp" not in name:
+            wrapped = f"{name}@tp{self.size}" + ("" if self.heads_split else "r")
+            ops.register("attention_tree", wrapped)(_per_shard_tree(ops.get("attention_tree", name), self.mesh,
+                                                                    self.heads_split))
+            chosen["attention_tree"] = wrapped
         return dataclasses.replace(kernels, **chosen)
 
 
@@ -210,6 +216,25 @@ class TensorParallel:
 def _sharded_init(tp: TensorParallel):
     kv = tp.sharding(tp.cache_spec())
     return jax.jit(init_cache, static_argnums=(0, 1, 2), out_shardings=KVCache(k=kv, v=kv, lengths=tp.sharding(P())))
+
+
+def _per_shard_tree(fn, mesh: Mesh, heads_split: bool):
+    """`fn` (a tree attention kernel) run on each device's KV heads, their query heads and the window's keys."""
+    h4 = P(None, None, AXIS, None) if heads_split else P()  # q [B, T, Hq, D] and the window's [B, T2, Hkv, D]
+    kv_spec = P(None, AXIS, None, None) if heads_split else P()
+
+    @functools.wraps(fn)
+    def run(q, k, v, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None):
+        def body(*a):  # positions (sliding-window layers only) ride along as an argument, replicated
+            return fn(*a[:7], scale=scale, positions=a[7] if len(a) > 7 else None, window=window)
+
+        args = (q, k, v, n_visible, k_win, v_win, anc) + (() if positions is None else (positions,))
+        if heads_split and k.shape[1] % mesh.size:
+            return body(*args)
+        return jax.shard_map(body, mesh=mesh, in_specs=(h4, kv_spec, kv_spec, P(), h4, h4) + (P(),) * (len(args) - 6),
+                             out_specs=h4, check_vma=False)(*args)
+
+    return run
 
 
 def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):

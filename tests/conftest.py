@@ -1,10 +1,13 @@
-"""Shared fixtures: the embedded model and Gemma 3 270M loaded once per session, tiny GGUF models written to a temp
-folder, and the `gpu` marker's skip rule."""
+"""Shared fixtures: the embedded model and Gemma 3 270M loaded once per session (per worker under pytest-xdist), tiny
+GGUF models written to a temp folder, and the `gpu` marker's skip rule."""
 
 import os
 import sys
 
-import jax
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers share one GPU: neither may take 75% of its memory up front
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))

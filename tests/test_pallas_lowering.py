@@ -140,7 +140,8 @@ def test_attention_decode_lowers(b, hq, hkv, s, d, combine):
     assert txt.count("xla.gpu.triton") == (2 if combine == "kernel" else 1)  # the combine: a second kernel
 
 
-@pytest.mark.parametrize("b,t,hq,hkv,s,d", [(1, 33, 9, 3, 2048, 64), (1, 33, 32, 8, 2048, 128), (4, 9, 32, 8, 4096, 128)])
+@pytest.mark.parametrize("b,t,hq,hkv,s,d", [(1, 33, 9, 3, 2048, 64), (1, 33, 32, 8, 2048, 128),
+                                            (4, 9, 32, 8, 4096, 128)])
 def test_attention_tree_lowers(b, t, hq, hkv, s, d):
     args = (SDS((b, t, hq, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16),
             SDS((b,), jnp.int32), SDS((b, t, hkv, d), jnp.bfloat16), SDS((b, t, hkv, d), jnp.bfloat16),

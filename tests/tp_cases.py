@@ -177,3 +177,26 @@ def test_bench_tp_runs_on_simulated_devices(tmp_path):
     assert "| decode | tiny-as-70b | 2 |" in (tmp_path / "bench_tp.md").read_text()
     assert [(r["case"], r["gpus"]) for r in rows] == [("decode", 2), ("batch_job", 2)], rows
     assert all(r["tok_s"] > 0 for r in rows) and 0 < rows[0]["share_of_bound"] and rows[1]["completion_tokens"] == 36
+
+
+def test_pallas_tree_attention_runs_per_shard(tiny_weights):
+    """A tree verify's forward with `attention_tree=pallas` at tensor_parallel=2 (as `pallas@tp2`, per shard under
+    shard_map) gives the one-device XLA logits."""
+    from lucebox_jax.model import forward
+    from lucebox_jax.tree import ancestors
+
+    fwd = jax.jit(forward, static_argnums=(0, 1))
+    parent = jnp.asarray([[0, 0, 1, 1, 2], [0, 1, 2, 3, 4]], jnp.int32)
+    anc = ancestors(parent, 5)
+    depth = jnp.sum(anc, axis=-1).astype(jnp.int32) - 1
+    prompt = jnp.asarray([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45]], jnp.int32)
+    toks = jnp.asarray([[11, 12, 13, 14, 15, 16], [46, 47, 48, 49, 50, 51]], jnp.int32)
+    out = []
+    for eng in (Engine(TINY, tiny_weights, KernelSet.resolve()),
+                Engine(TINY, tiny_weights, KernelSet.resolve("attention_tree=pallas"), tensor_parallel=2)):
+        _, cache = fwd(TINY, eng.kernels, eng.weights, eng.new_cache(2, 64), prompt, jnp.zeros((2,), jnp.int32))
+        logits, _ = fwd(TINY, eng.kernels, eng.weights, cache, toks, jnp.asarray([6, 4], jnp.int32),
+                        tree=(depth, anc))
+        out.append(np.asarray(logits))
+    assert eng.kernels.attention_tree == "pallas@tp2"
+    np.testing.assert_allclose(out[1], out[0], rtol=2e-4, atol=2e-4)
