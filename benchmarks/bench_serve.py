@@ -218,6 +218,7 @@ def bench_server_level(a, n, out_dir, deadline):
         after = httpx.get(f"http://127.0.0.1:{port}/health?latency_since={since}", timeout=5).json()
         row = summarize(reqs, wall)
         row["server_latency_ms"] = after.get("latency_ms")  # the server's split of TTFT: inbox, then to first token
+        row["server_loop"] = loop_delta(before.get("loop"), after.get("loop"), wall)
         # a compile inside the measured run is a multi-second stall for every stream: count them
         row["compiles_during_run"] = after.get("compiled_shapes", 0) - before.get("compiled_shapes", 0)
         row["compile_s_during_run"] = round(after.get("compile_seconds", 0) - before.get("compile_seconds", 0), 2)
@@ -234,6 +235,19 @@ def bench_server_level(a, n, out_dir, deadline):
             proc.wait(timeout=15)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def loop_delta(before: dict | None, after: dict | None, wall: float) -> dict | None:
+    """The scheduler's loop counters (Scheduler.loop_stats) over one run: the share of the wall clock spent in decode
+    calls and in admissions, and the slots' occupancy at the start of its decode calls."""
+    if not after:
+        return None
+    before = before or {}
+    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_calls", "decode_s", "admit_s", "busy_slot_calls")}
+    return {"decode_calls": d["decode_calls"], "decode_share": round(d["decode_s"] / wall, 3) if wall else None,
+            "admit_share": round(d["admit_s"] / wall, 3) if wall else None,
+            "occupancy": round(d["busy_slot_calls"] / (d["decode_calls"] * after["slots"]), 3)
+            if d["decode_calls"] else None}
 
 
 # ---------------------------------------------------------------------------------------------------- offline side
@@ -253,15 +267,16 @@ def bench_offline(llm, a, n, prompts):
                           max_prefill_batch=min(8, n))
         c0, t0 = eng.compile_seconds, time.perf_counter()
         tokens = sum(len(f.token_ids) for batch in sched.run(reqs(new)) for f in batch)
-        return tokens, time.perf_counter() - t0 - (eng.compile_seconds - c0)
+        dt = time.perf_counter() - t0 - (eng.compile_seconds - c0)
+        return tokens, dt, loop_delta(None, sched.loop_stats(), dt)
 
     run(4)  # warm-up: the same shapes
     # a run of ~3 s varied by up to 23% between runs on one H200 (2026-12-04, seventh session): the ratio's denominator
     # is the median of several
     runs = sorted((run(a.new_tokens) for _ in range(max(1, a.offline_reps))), key=lambda r: r[0] / r[1])
-    tokens, dt = runs[len(runs) // 2]  # the median run (the upper one of two)
+    tokens, dt, loop = runs[len(runs) // 2]  # the median run (the upper one of two)
     return {"requests": len(flat), "completion_tokens": tokens, "seconds": round(dt, 3), "tok_s": round(tokens / dt, 1),
-            "tok_s_runs": [round(t / d, 1) for t, d in runs]}
+            "tok_s_runs": [round(t / d, 1) for t, d, _ in runs], "loop": loop}
 
 
 def fmt(v, nd=1):
@@ -328,6 +343,16 @@ def main(argv=None):
                      f"{fmt(s['itl_p99_ms'])} | {fmt(s['tpot_p50_ms'], 2)} / {fmt(s['tpot_p99_ms'], 2)} | "
                      f"{s['tokens_per_chunk']} |" + (f" ({s['failed_requests']} requests failed)"
                                                       if s.get("failed_requests") else ""))
+    loops = ["| clients | side | wall in decode calls | wall in admissions (prefill) | slot occupancy | decode calls |",
+             "|---|---|---|---|---|---|"]
+    for n, lv in result["levels"].items():
+        for side, lp in (("server", (lv.get("server") or {}).get("server_loop")), ("offline",
+                                                                                  (lv.get("offline") or {}).get("loop"))):
+            if lp:
+                loops.append(f"| {n} | {side} | {lp['decode_share']} | {lp['admit_share']} | {lp['occupancy']} | "
+                             f"{lp['decode_calls']} |")
+    if len(loops) > 2:  # where each side's wall clock went (Scheduler.loop_stats)
+        lines += [""] + loops
     md = (f"bench_serve on {result['device']}: {a.new_tokens} new tokens per request, prompts {a.prompt_min}-"
           f"{a.prompt_max} tokens, context {a.max_context}, {a.steps_per_call} steps per call, server slots = clients, "
           f"{a.clients_per_process or 'all'} clients per client process"

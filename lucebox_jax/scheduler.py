@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import time
 from typing import Callable, Iterable, Iterator
 
 import jax
@@ -187,7 +188,8 @@ class Scheduler:
                                           + [pow2_at_least(self.max_prefill_batch)]))
         self.min_prefill_len = min_prefill_len
         self.state: SlotState | None = None
-        self.stats = collections.Counter()
+        # (the timing keys exist from the start: the server's /health copies this while the device thread adds to it)
+        self.stats = collections.Counter({"decode_calls": 0, "decode_s": 0.0, "admit_s": 0.0, "busy_slot_calls": 0})
         # speculation (spec_batch.BatchSpec): off above its slot limit; the cache holds K positions past max_len
         self.spec = spec if spec is not None and slots <= spec.max_slots else None
         self.spec_note = (f"speculation off: {slots} slots > {spec.max_slots}" if spec is not None and self.spec is None
@@ -307,6 +309,17 @@ class Scheduler:
         self._spec_on = np.array(self.state.spec.on)
         return np.asarray(buf)
 
+    def loop_stats(self) -> dict:
+        """Where the host loop's time went so far: seconds in decode calls (dispatch until their tokens are on the
+        host) and in admissions (prefill and insert), decode calls, and occupancy = the mean share of slots holding a
+        request when a decode call starts (rows that finish inside a call count as busy for all of it)."""
+        st = dict(self.stats)
+        calls = st.get("decode_calls", 0)
+        return {"slots": self.slots, "decode_calls": calls, "decode_s": round(st.get("decode_s", 0.0), 4),
+                "admit_s": round(st.get("admit_s", 0.0), 4), "prefill_calls": st.get("prefill_calls", 0),
+                "busy_slot_calls": st.get("busy_slot_calls", 0),
+                "occupancy": round(st.get("busy_slot_calls", 0) / (calls * self.slots), 4) if calls else None}
+
     def spec_stats(self) -> dict | None:
         """Acceptance over the run (spec_batch.BatchSpec.stats); None without a drafter, {"off": why} when the slot
         limit turned speculation off."""
@@ -377,7 +390,9 @@ class Scheduler:
                     longest = longest_if
                     group.append(waiting.popleft())
                 slots = [free.pop(0) for _ in group]
+                t0 = time.perf_counter()
                 firsts = self._admit(group, slots)
+                self.stats["admit_s"] += time.perf_counter() - t0
                 for s, r, t in zip(slots, group, firsts):
                     a = _Active(r, [t])
                     why = self._check(a)
@@ -399,7 +414,10 @@ class Scheduler:
             # with requests waiting, come back as soon as a prefill group's worth of slots is free
             exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
                           else 1 if self.exit_on_finish else self.slots + 1)
+            t0 = time.perf_counter()
             buf = self._decode(retire, exit_after, active)
+            self.stats["decode_s"] += time.perf_counter() - t0  # dispatch to tokens on the host: the device's share
+            self.stats["busy_slot_calls"] += len(active)
             retire[:] = False
             for s in list(active):
                 a = active[s]

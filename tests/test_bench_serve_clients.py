@@ -83,3 +83,6 @@ def test_offline_side_is_the_median_of_its_runs(tiny_llm):
     runs = off["tok_s_runs"]
     assert len(runs) == 3 and runs == sorted(runs) and off["tok_s"] == runs[1]
     assert off["completion_tokens"] == 4 * a.new_tokens
+    loop = off["loop"]  # where the median run's wall clock went (Scheduler.loop_stats)
+    assert loop["decode_calls"] > 0 and 0 < loop["decode_share"] <= 1 and 0 < loop["admit_share"] < 1
+    assert 0 < loop["occupancy"] <= 1

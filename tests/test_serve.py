@@ -235,10 +235,16 @@ def test_32_concurrent_streams(server, client, llm):
                                            stream=True)
         return _stream_text(s)[0]
 
+    before = _raw(server, "GET", "/health")[2]["loop"]
     with concurrent.futures.ThreadPoolExecutor(n) as ex:
         got = list(ex.map(one, range(n), timeout=240))
     assert got == want
-    assert _raw(server, "GET", "/health")[2]["running"] == 0
+    health = _raw(server, "GET", "/health")[2]
+    assert health["running"] == 0
+    loop = health["loop"]  # the scheduler's own account: decode calls ran, with slots busy, taking time
+    assert loop["decode_calls"] > before["decode_calls"] and loop["decode_s"] > before["decode_s"] > 0
+    assert loop["busy_slot_calls"] - before["busy_slot_calls"] >= n  # each request sat in a slot for >= 1 call
+    assert 0 < loop["occupancy"] <= 1 and loop["admit_s"] > 0
 
 
 def test_cancelled_stream_frees_its_slot(server, client):

@@ -120,6 +120,7 @@ class EngineLoop:
         # (finished count, seconds in the inbox, seconds from taken to first token) of the last finished requests
         self._latency: collections.deque[tuple[int, float, float]] = collections.deque(maxlen=4096)
         self.spec_stats: dict | None = None  # speculation's acceptance so far (device thread's snapshot)
+        self._sched: Scheduler | None = None  # the running scheduler (its loop_stats for /health)
 
     # ------------------------------------------------------------------ handler side
     def make_job(self, ids: list[int], params: SamplingParams, max_new: int, sink, stream: bool,
@@ -149,6 +150,7 @@ class EngineLoop:
                 "started": self.stats["requests"], "cancelled": self.stats["cancelled"],
                 "compiled_shapes": len(eng._seen_shapes), "compile_seconds": round(eng.compile_seconds, 2),
                 "latency_ms": self._latency_summary(latency_since),
+                **({"loop": self._sched.loop_stats()} if self._sched is not None else {}),
                 **({"speculative": self.spec_stats} if self.spec_stats else {})}
 
     def _latency_summary(self, since: int = 0) -> dict:
@@ -173,6 +175,7 @@ class EngineLoop:
         while not self._stop.is_set():
             sched = Scheduler(self.llm.engine, stop_check=lambda r, ids: r.key.on_tokens(self.tokenizer, ids),
                               **self._sched_kw)
+            self._sched = sched
             try:
                 for finished in sched.run(self._feed()):
                     for f in finished:
