@@ -57,7 +57,7 @@ def tuned_key(m_bucket: int, k: int, n: int, g: int, bits: int) -> str:
 
 
 def m_bucket(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 64
+    return 16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64  # as mgpu_qmatmul.token_tile
 
 
 def config_for(m: int, k: int, n: int, g: int, bits: int):

@@ -469,9 +469,10 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
 
 def token_tile(m: int, g: int) -> int:
-    """Tokens per tile for M rows: 16 for decode (the smallest tile that compiles), wider for more rows; at most the
+    """Tokens per tile for M rows: 16 for decode (the smallest tile that compiles), wider for more rows (48 for a
+    tree of 32 nodes and its root, 33 rows: a quarter less wgmma work than 64, and a smaller x tile); at most the
     group width, which bounds the wgmma K step (`check_config`)."""
-    return min(16 if m <= 16 else 32 if m <= 32 else 64, max(g, 16))
+    return min(16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64, max(g, 16))
 
 
 def default_config(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> MgpuConfig | None:

@@ -40,13 +40,14 @@ def test_repack_reference_equals_engine_dequant(g, sym, bits):
     np.testing.assert_allclose(np.asarray(mg.dequantize_mgpu(mw)), ref, rtol=1e-6, atol=tol)
 
 
-@pytest.mark.parametrize("m,cfg", [(3, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2)),
-                                   (20, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, split_k=1))])
-def test_kernel_interpret_matches_reference(m, cfg):
+@pytest.mark.parametrize("m,g,cfg", [(3, 32, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2)),
+                                     (20, 32, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, split_k=1)),
+                                     (33, 128, mg.MgpuConfig(tile_m=64, tile_t=48, compute_wgs=1, groups=1, split_k=2))])
+def test_kernel_interpret_matches_reference(m, g, cfg):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rng = np.random.default_rng(m)
-    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32, symmetric=False)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=g, symmetric=False)
     x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
     ref = jnp.dot(x.astype(jnp.float32), dequantize(w))
     y = mg.mgpu_matmul(x, mg.repack(w), cfg, interpret=plgpu.InterpretGPUParams())
@@ -63,7 +64,8 @@ def test_bad_config_is_refused():
 
 @pytest.mark.parametrize("k,n,g,bits,m", [(4096, 28672, 32, 4, 1), (14336, 4096, 128, 4, 16), (4096, 6144, 32, 4, 64),
                                           (4096, 128256, 32, 8, 1), (4096, 6144, 128, 4, 9), (4096, 4096, 32, 8, 20),
-                                          (4096, 4096, 128, 4, 5)])
+                                          (4096, 4096, 128, 4, 5), (4096, 28672, 128, 4, 33),
+                                          (14336, 4096, 128, 4, 40), (4096, 6144, 128, 4, 48)])
 def test_candidates_lower_for_h200(k, n, g, bits, m):
     sds = jax.ShapeDtypeStruct
     cands = mg.candidate_configs(m, k, n, g, bits)
@@ -208,3 +210,18 @@ def test_pdl_interprets_like_the_reference():
     cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2, pdl=True)
     y = mg.mgpu_matmul(x, mg.repack(w), cfg, interpret=plgpu.InterpretGPUParams())
     assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
+
+
+@pytest.mark.parametrize("k,n,g,bits", [(4096, 28672, 128, 4), (14336, 4096, 128, 4), (4096, 6144, 128, 4),
+                                        (4096, 128256, 128, 8)])
+def test_default_48_token_tile_lowers_for_a_tree_of_32(k, n, g, bits):
+    """33 rows (a 32-node tree and its root) take a 48-token tile: it must fit shared memory at the 8B shapes."""
+    sds = jax.ShapeDtypeStruct
+    cfg = mg.default_config(33, k, n, g, bits)
+    assert cfg.tile_t == 48
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
+                      scales=sds((k // g, n), jnp.float16), offsets=None, group_size=g, bits=bits)
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((33, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
