@@ -243,8 +243,10 @@ def loop_delta(before: dict | None, after: dict | None, wall: float) -> dict | N
     if not after:
         return None
     before = before or {}
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("decode_calls", "decode_s", "admit_s", "busy_slot_calls")}
-    return {"decode_calls": d["decode_calls"], "decode_share": round(d["decode_s"] / wall, 3) if wall else None,
+    d = {k: after.get(k, 0) - before.get(k, 0)
+         for k in ("decode_calls", "decode_s", "admit_s", "busy_slot_calls", "prefill_calls")}
+    return {"decode_calls": d["decode_calls"], "prefill_calls": d["prefill_calls"],
+            "decode_share": round(d["decode_s"] / wall, 3) if wall else None,
             "admit_share": round(d["admit_s"] / wall, 3) if wall else None,
             "occupancy": round(d["busy_slot_calls"] / (d["decode_calls"] * after["slots"]), 3)
             if d["decode_calls"] else None}
@@ -343,14 +345,14 @@ def main(argv=None):
                      f"{fmt(s['itl_p99_ms'])} | {fmt(s['tpot_p50_ms'], 2)} / {fmt(s['tpot_p99_ms'], 2)} | "
                      f"{s['tokens_per_chunk']} |" + (f" ({s['failed_requests']} requests failed)"
                                                       if s.get("failed_requests") else ""))
-    loops = ["| clients | side | wall in decode calls | wall in admissions (prefill) | slot occupancy | decode calls |",
-             "|---|---|---|---|---|---|"]
+    loops = ["| clients | side | wall in decode calls | wall in admissions (prefill) | slot occupancy | decode calls | "
+             "admissions |", "|---|---|---|---|---|---|---|"]
     for n, lv in result["levels"].items():
         for side, lp in (("server", (lv.get("server") or {}).get("server_loop")), ("offline",
                                                                                   (lv.get("offline") or {}).get("loop"))):
             if lp:
                 loops.append(f"| {n} | {side} | {lp['decode_share']} | {lp['admit_share']} | {lp['occupancy']} | "
-                             f"{lp['decode_calls']} |")
+                             f"{lp['decode_calls']} | {lp.get('prefill_calls', '-')} |")
     if len(loops) > 2:  # where each side's wall clock went (Scheduler.loop_stats)
         lines += [""] + loops
     md = (f"bench_serve on {result['device']}: {a.new_tokens} new tokens per request, prompts {a.prompt_min}-"

@@ -160,7 +160,7 @@ def bench_synthetic(args):
     rp = RowParams.from_params([SamplingParams(temperature=0)])
     seen = jnp.zeros((1, cfg.vocab_size), bool)
 
-    def timed(fn, *a):
+    def timed(fn, *a, label=""):
         out = fn(*a)
         jax.block_until_ready(out)
         ts = []
@@ -168,7 +168,18 @@ def bench_synthetic(args):
             t = time.perf_counter()
             jax.block_until_ready(fn(*a))
             ts.append(time.perf_counter() - t)
-        return statistics.median(ts) / reps * 1e3  # ms per step
+        ms = statistics.median(ts) / reps * 1e3  # ms per step
+        if args.syn_profile:  # where a verify's time goes beyond a decode step's: GPU kernels per step by category
+            from bench_decode import print_profile, profile_summary
+            from gpu_trace import trace_gpu_events
+
+            evs = trace_gpu_events(lambda: jax.block_until_ready(fn(*a)))
+            if evs:
+                prof = profile_summary(evs, reps, ms, top=10)
+                res.setdefault("profiles", {})[label] = prof
+                log(f"profile, {label}:")
+                print_profile(prof)
+        return ms
 
     def loop_of(step_fn, c):
         @jax.jit
@@ -213,14 +224,14 @@ def bench_synthetic(args):
     res = {"model": f"{args.syn_preset} shape, random int4 + int8 head", "context": ctx, "dtype": dtype,
            "kernels": kernels.describe(), "verify": [], "draft": [], "projection": []}
     RESULTS["synthetic"] = res
-    dec = timed(loop_of(decode_fn(cfg), cfg), w, fresh(cfg))
+    dec = timed(loop_of(decode_fn(cfg), cfg), w, fresh(cfg), label="decode")
     res["decode_ms"] = round(dec, 3)
     log(f"target decode step: {dec:.2f} ms")
     for k in [int(x) for x in args.syn_ks.split(",")]:
         if left(args.budget) < 45:
             RESULTS["skipped"].append(f"synthetic verify K={k}")
             continue
-        v = timed(loop_of(verify_fn(k), cfg), w, fresh(cfg))
+        v = timed(loop_of(verify_fn(k), cfg), w, fresh(cfg), label=f"verify K={k}")
         res["verify"].append({"k": k, "verify_ms": round(v, 3), "ratio": round(v / dec, 3)})
         save()
         log(f"target verify K={k} ({k + 1} tokens): {v:.2f} ms = {v / dec:.2f} x decode")
@@ -228,7 +239,7 @@ def bench_synthetic(args):
         if left(args.budget) < 45:
             RESULTS["skipped"].append(f"synthetic tree verify {nodes}")
             continue
-        v = timed(loop_of(tree_fn(nodes), cfg), w, fresh(cfg))
+        v = timed(loop_of(tree_fn(nodes), cfg), w, fresh(cfg), label=f"tree {nodes}")
         res.setdefault("tree_verify", []).append({"nodes": nodes, "verify_ms": round(v, 3), "ratio": round(v / dec, 3)})
         save()
         log(f"target tree verify of {nodes} nodes (+ root): {v:.2f} ms = {v / dec:.2f} x decode")
@@ -243,7 +254,7 @@ def bench_synthetic(args):
         if left(args.budget) < 40:
             RESULTS["skipped"].append(f"synthetic draft {name}")
             continue
-        d = timed(loop_of(decode_fn(c), c), dw, fresh(c))
+        d = timed(loop_of(decode_fn(c), c), dw, fresh(c), label=f"draft {name}")
         res["draft"].append({"drafter": name, "draft_ms": round(d, 3), "ratio": round(d / dec, 3)})
         log(f"draft {name}: {d:.2f} ms per token = {d / dec:.2f} x target decode")
     save()
@@ -309,6 +320,8 @@ def main():
     ap.add_argument("--syn-preset", default="llama3-8b", help="synthetic.PRESETS name (tiny: a CPU smoke test)")
     ap.add_argument("--syn-kernels", default=None,
                     help="kernel choices for part B, e.g. attention_tree=pallas (default: the backend's defaults)")
+    ap.add_argument("--syn-profile", action="store_true",
+                    help="part B: GPU kernels per step of each timed loop by category (JAX profiler)")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--budget", type=float, default=330.0, help="seconds for the whole run")
     ap.add_argument("--reserve", type=float, default=None, help="seconds kept for part B")

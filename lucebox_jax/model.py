@@ -97,6 +97,9 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
+# a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
+VERIFY_AS_DECODE_ROWS = 16
+
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}
 
 
@@ -190,9 +193,11 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     after each of those layers at every position, concatenated (draft heads read it; see drafters/eagle.py).
     tree: (depth [B, T], anc [B, T, T]) for a token tree (speculative tree verify): token t sits at position
     start + depth[t] but in cache slot start + t, and sees committed slots < start plus its ancestors `anc[t]`.
-    verify: the tokens are a speculative verify; with quant.ROW_INVARIANT each position's attention then runs as a
-    decode row of its own (the decode kernel over that row's cache prefix), so it rounds exactly as a plain decode
-    step would (the matmul kernels are row-invariant in that mode too). A tree runs so in that mode whether or not
+    verify: the tokens are a speculative verify; up to VERIFY_AS_DECODE_ROWS of them (any number with
+    quant.ROW_INVARIANT) each position's attention then runs as a decode row of its own (the decode kernel over that
+    row's cache prefix, when the attention_decode kernel takes `rows`): cheaper than the prefill kernel for a few
+    queries, and with quant.ROW_INVARIANT it rounds exactly as a plain decode step would (the matmul kernels are
+    row-invariant in that mode too). A tree runs so in that mode whether or not
     `verify` is given: each node a decode row over its own copy of the cache holding its path (`tree_rows`).
     """
     b, t = tokens.shape
@@ -205,7 +210,10 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         x = (x.astype(jnp.float32) * cfg.embed_scale).astype(dt)
     new_k, new_v = [], []
     decode = t == 1
-    as_decode = verify and t > 1 and tree is None and quant.ROW_INVARIANT  # read at trace time
+    # a short verify's positions as decode rows: on the H200 an 8B verify of 9 rows spent 914 us a step in the prefill
+    # kernel (28 us a layer for 9 queries), a decode step 131 us in the decode kernel
+    as_decode = verify and t > 1 and tree is None and (quant.ROW_INVARIANT or (  # (ROW_INVARIANT: read at trace time)
+        t <= VERIFY_AS_DECODE_ROWS and ops.accepts("attention_decode", kernels.attention_decode, "rows")))
     tree_as_decode = tree is not None and quant.ROW_INVARIANT
     hidden = [None] * len(hidden_layers or ())
     by_rows = decode or as_decode or tree_as_decode

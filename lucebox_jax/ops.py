@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 from typing import Callable
 
 import jax
@@ -41,8 +42,8 @@ OP_SIGNATURES = {
     "attention_decode": (
         "fn(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], lengths [B] int32, *, scale) -> [B, Hq, D]; "
         "row b sees cache positions < lengths[b]; window=W (static, only for sliding-window layers) keeps the "
-        "last W of them; optional rows [B] int32 after lengths (only in a row-invariant verify): query row b reads "
-        "cache row rows[b]"
+        "last W of them; optional rows [B] int32 after lengths (a short speculative verify, its positions as decode "
+        "rows; a kernel without it sends verifies to attention_prefill): query row b reads cache row rows[b]"
     ),
     "attention_tree": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "
@@ -166,6 +167,14 @@ def get(op: str, name: str | None = None) -> Callable:
         raise UnknownKernelError(
             f"unknown kernel {name!r} for op {op!r}; valid: {', '.join(sorted(_REGISTRY[op]))}"
         ) from None
+
+
+def accepts(op: str, name: str, param: str) -> bool:
+    """Whether implementation `name` of `op` takes the optional parameter `param` (e.g. attention_decode's `rows`)."""
+    try:
+        return param in inspect.signature(get(op, name)).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature: assume the op's base signature
+        return False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,7 +12,9 @@ sampling parameters (`RowParams` rows), generated-token count, token budget, sto
    leaving early when every slot is done or when enough slots finished to be worth a refill. Done and empty slots
    still compute (static shapes) but neither advance their cache length nor change anything the host reads.
 3. the host reads the chunk's tokens [slots, steps], appends them to each request, retires finished requests (stop
-   token, token budget, or the caller's `stop_check`, e.g. stop strings) and frees their slots for step 1.
+   token or token budget) and frees their slots for step 1. The next call is dispatched before the slower host work
+   of a round (the caller's `stop_check`: streaming, stop strings; the finished requests handed back), which then
+   runs while the device decodes.
 
 Sampling is per row and seeded per (seed, position) as in `sampling.py`, so a request's output does not depend on
 which slot it ran in or what else was in the batch.
@@ -284,7 +286,7 @@ class Scheduler:
         self.state = self.state.replace(spec=rows)
         self._spec_on[slot_ids] = True
 
-    def _decode(self, retire: np.ndarray, exit_after: int, active=()) -> np.ndarray:
+    def _decode(self, retire: np.ndarray, exit_after: int, active=()) -> jax.Array:
         eng = self.engine
         if self.spec is not None and any(self._spec_on[s] for s in active):
             return self._decode_spec(retire, exit_after)
@@ -292,9 +294,9 @@ class Scheduler:
         self.state, buf = self._call(key, decode_chunk, eng.cfg, eng.kernels, eng.weights, self.state,
                                      jnp.asarray(retire), jnp.int32(exit_after), n_steps=self.steps_per_call)
         self.stats["decode_calls"] += 1
-        return np.asarray(buf)
+        return buf  # on the device: the host reads it in the next round
 
-    def _decode_spec(self, retire: np.ndarray, exit_after: int) -> np.ndarray:
+    def _decode_spec(self, retire: np.ndarray, exit_after: int) -> jax.Array:
         from .spec_batch import spec_decode_chunk
 
         eng, sp = self.engine, self.spec
@@ -306,12 +308,12 @@ class Scheduler:
                                      k=sp.k)
         self.stats["decode_calls"] += 1
         self.stats["spec_calls"] += 1
-        self._spec_on = np.array(self.state.spec.on)
-        return np.asarray(buf)
+        self._spec_on = np.array(self.state.spec.on)  # (waits for the call: its rows' speculation switches)
+        return buf
 
     def loop_stats(self) -> dict:
-        """Where the host loop's time went so far: seconds in decode calls (dispatch until their tokens are on the
-        host) and in admissions (prefill and insert), decode calls, and occupancy = the mean share of slots holding a
+        """Where the host loop's time went so far: seconds in decode calls (dispatch until the host has their tokens;
+        the round's hooks and hand-back run inside it, overlapping the device) and in admissions (prefill and insert), decode calls, and occupancy = the mean share of slots holding a
         request when a decode call starts (rows that finish inside a call count as busy for all of it)."""
         st = dict(self.stats)
         calls = st.get("decode_calls", 0)
@@ -332,6 +334,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ host loop
     def _check(self, a: _Active) -> str | None:
+        """Stop id or token budget (cheap, at once); the caller's stop_check runs in `_hooks`."""
         r = a.req
         for j, t in enumerate(a.ids):
             if t in r.stop_ids:
@@ -340,9 +343,20 @@ class Scheduler:
         if len(a.ids) >= r.max_new:
             del a.ids[r.max_new:]
             return "length"
-        if self.stop_check is not None and self.stop_check(r, a.ids):
-            return "check"
         return None
+
+    def _hooks(self, active: dict, free: list, retire: np.ndarray, done_now: list, slots) -> None:
+        """The caller's stop_check (streaming, stop strings, a client gone) on each given slot still active; a row it
+        ends is retired on the device by the next decode call dispatched after this."""
+        if self.stop_check is None:
+            return
+        for s in slots:
+            a = active.get(s)
+            if a is not None and self.stop_check(a.req, a.ids):
+                done_now.append(Finished(a.req, a.ids, "check"))
+                del active[s]
+                free.append(s)
+                retire[s] = True  # the device does not know about host-side stops
 
     def validate(self, r: SlotRequest):
         """Typed refusal of a request the device loop cannot take (InvalidRequestError is a ValueError)."""
@@ -362,14 +376,39 @@ class Scheduler:
     def run(self, requests: Iterable[SlotRequest]) -> Iterator[list[Finished]]:
         """Serve `requests` (pulled lazily) until all are finished; yields the requests finished in each host round.
         A feed may yield None for "nothing new now" (it is asked again after the next decode call, or at once when
-        the batch is empty, so an idle live feed should block)."""
+        the batch is empty, so an idle live feed should block).
+
+        A round: the last decode call's tokens reach the host and rows that hit a stop id or their budget free their
+        slots; new requests are admitted; the next decode call is dispatched; then, while it runs on the device, the
+        caller's stop_check hooks (a server's streaming) run and the round's finished requests are yielded, so their
+        host work does not leave the device idle. A row a hook ends is retired one call later."""
         it = iter(requests)
         exhausted = False
         waiting: collections.deque[SlotRequest] = collections.deque()
         free = list(range(self.slots))
         active: dict[int, _Active] = {}
         retire = np.zeros(self.slots, bool)
+        pending = None  # (tokens of the call in flight [slots, steps] on the device, its dispatch time)
         while True:
+            done_now: list[Finished] = []
+            hooked: list[int] = []  # slots whose new tokens the stop_check hooks have not seen
+            if pending is not None:
+                buf = np.asarray(pending[0])  # waits for the call in flight
+                self.stats["decode_s"] += time.perf_counter() - pending[1]  # dispatch to tokens on the host
+                pending = None
+                for s in list(active):
+                    a = active[s]
+                    new = buf[s][buf[s] >= 0]
+                    if len(new):
+                        a.ids.extend(int(t) for t in new)
+                    why = self._check(a)
+                    if why is not None:
+                        done_now.append(Finished(a.req, a.ids, why))
+                        del active[s]
+                        free.append(s)
+                        retire[s] = False  # finished on the device too
+                    elif len(new):
+                        hooked.append(s)
             while not exhausted and len(waiting) < self.slots + self.max_prefill_batch:
                 try:
                     r = next(it)
@@ -380,7 +419,6 @@ class Scheduler:
                     break
                 self.validate(r)
                 waiting.append(r)
-            done_now: list[Finished] = []
             while free and waiting:
                 group, longest = [], 0
                 while waiting and len(group) < min(len(free), self.max_prefill_batch):
@@ -399,42 +437,26 @@ class Scheduler:
                     if why is None:
                         active[s] = a
                         retire[s] = False
+                        hooked.append(s)
                     else:
                         done_now.append(Finished(r, a.ids, why))
                         free.append(s)
                         retire[s] = True
-            if not active:
-                if done_now:
-                    self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
-                    self.stats["requests"] += len(done_now)
-                    yield done_now
-                if exhausted and not waiting:
-                    return
-                continue
-            # with requests waiting, come back as soon as a prefill group's worth of slots is free
-            exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
-                          else 1 if self.exit_on_finish else self.slots + 1)
-            t0 = time.perf_counter()
-            buf = self._decode(retire, exit_after, active)
-            self.stats["decode_s"] += time.perf_counter() - t0  # dispatch to tokens on the host: the device's share
-            self.stats["busy_slot_calls"] += len(active)
-            retire[:] = False
-            for s in list(active):
-                a = active[s]
-                new = buf[s][buf[s] >= 0]
-                if len(new):
-                    a.ids.extend(int(t) for t in new)
-                why = self._check(a)
-                if why is not None:
-                    done_now.append(Finished(a.req, a.ids, why))
-                    del active[s]
-                    free.append(s)
-                    retire[s] = why == "check"  # the device does not know about host-side stops
+            if active:
+                # with requests waiting, come back as soon as a prefill group's worth of slots is free
+                exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
+                              else 1 if self.exit_on_finish else self.slots + 1)
+                t0 = time.perf_counter()
+                pending = (self._decode(retire, exit_after, active), t0)
+                self.stats["busy_slot_calls"] += len(active)
+                retire[:] = False
+            self._hooks(active, free, retire, done_now, hooked)  # on the host while the device decodes
             if done_now:
                 self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
                 self.stats["requests"] += len(done_now)
                 yield done_now
-
+            if pending is None and not active and exhausted and not waiting:
+                return
 
     # ------------------------------------------------------------------ compiling ahead of traffic
     def _chunk_lens(self, longest: int) -> tuple[int, ...]:

@@ -97,6 +97,21 @@ def test_host_stop_check_retires_row(tiny_llm, greedy_case):
     assert got[1].token_ids == ref[1] and got[5].token_ids == ref[5]
 
 
+def test_hooks_run_while_the_next_call_is_in_flight(tiny_llm, greedy_case):
+    """The slow host work of a round (stop_check: a server's streaming) runs after the next decode call has been
+    dispatched, so the device is not left idle for it; the tokens and the finish are unchanged."""
+    prompts, params, ref = greedy_case
+    seen = []
+    sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2,
+                      stop_check=lambda r, ids: seen.append((len(ids), sched.stats["decode_calls"])) or False)
+    got = {f.request.key: f for batch in sched.run([_req(2, prompts[2], dataclasses.replace(params[2], seed=0),
+                                                         tiny_llm)]) for f in batch}
+    assert got[2].token_ids == ref[2] and got[2].finish_reason == "length"
+    # the hook seeing the first token (admission) or call N's tokens runs after call N + 1 was dispatched
+    assert seen and seen == [(n, (n - 1) // STEPS + 1) for n, _ in seen]
+    assert [n for n, _ in seen] == list(range(1, len(ref[2]), STEPS))
+
+
 def test_rejects_requests_that_do_not_fit(tiny_llm):
     sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=32, steps_per_call=STEPS)
     with pytest.raises(ValueError, match="does not fit"):
