@@ -44,3 +44,43 @@ def test_registered_kernel_is_used():
     got, _ = forward(cfg, ks, w, cache, jnp.arange(4)[None], jnp.zeros((1,), jnp.int32))
     assert len(calls) == 4 * cfg.n_layers  # qkv, o, gate|up, down per layer (the int8 head: op qmatmul8)
     assert jnp.allclose(ref, got)
+
+
+def test_short_verify_attends_as_decode_rows_and_kernels_without_rows_still_serve():
+    """forward(verify=True) of a few positions runs them as decode rows (the decode kernel, with `rows`); a registered
+    decode kernel that has no `rows` parameter leaves the verify to attention_prefill. Both give plain prefill's
+    logits and cache."""
+    from lucebox_jax.kernels_xla import attention_decode_xla
+    from lucebox_jax.model import VERIFY_AS_DECODE_ROWS
+
+    seen = []
+
+    @ops.register("attention_decode", "rows_test_kernel")
+    def with_rows(q, k, v, lengths, rows=None, *, scale, window=None):
+        seen.append(("rows", q.shape[0], rows is not None))
+        return attention_decode_xla(q, k, v, lengths, rows, scale=scale, window=window)
+
+    @ops.register("attention_decode", "no_rows_test_kernel")
+    def without_rows(q, k, v, lengths, *, scale, window=None):
+        seen.append(("plain", q.shape[0]))
+        return attention_decode_xla(q, k, v, lengths, scale=scale, window=window)
+
+    assert ops.accepts("attention_decode", "rows_test_kernel", "rows")
+    assert not ops.accepts("attention_decode", "no_rows_test_kernel", "rows")
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(1), group_size=32)
+    cache = init_cache(cfg, 2, 32).replace(lengths=jnp.array([3, 7], jnp.int32))
+    toks, start = jnp.arange(10).reshape(2, 5) % cfg.vocab_size, jnp.array([3, 7], jnp.int32)
+    want, want_cache = forward(cfg, KernelSet(), w, cache, toks, start)
+    for name in ("rows_test_kernel", "no_rows_test_kernel"):
+        seen.clear()
+        got, got_cache = forward(cfg, KernelSet(attention_decode=name), w, cache, toks, start, verify=True)
+        assert jnp.allclose(got, want, atol=1e-4, rtol=1e-4)
+        assert all(jnp.allclose(a, b, atol=1e-4, rtol=1e-4) for a, b in zip(got_cache.k, want_cache.k))
+        # 2 rows x 5 positions as 10 decode rows reading cache rows [0]*5 + [1]*5; none without `rows`
+        assert seen == ([("rows", 10, True)] * cfg.n_layers if name == "rows_test_kernel" else [])
+    long = jnp.zeros((1, VERIFY_AS_DECODE_ROWS + 1), jnp.int32)
+    seen.clear()
+    forward(cfg, KernelSet(attention_decode="rows_test_kernel"), w, init_cache(cfg, 1, 64), long,
+            jnp.zeros((1,), jnp.int32), verify=True)
+    assert seen == []  # a longer verify stays with attention_prefill
