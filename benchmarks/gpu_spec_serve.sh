@@ -47,7 +47,7 @@ if [ "${SPEC:-1}" = 1 ]; then
     --reserve 70 ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1; tail -30 "$OUT/spec.log"
 fi
 if [ "${SERVE:-1}" = 1 ]; then
-  timeout "$(( ${SERVE_SECONDS:-100} + 30 ))" python3 benchmarks/bench_serve.py --model "$M" --clients "${CLIENTS:-8,32,128}" \
+  timeout "$(( ${SERVE_SECONDS:-100} + 60 ))" python3 benchmarks/bench_serve.py --model "$M" --clients "${CLIENTS:-8,32,128}" \
     --budget "${SERVE_SECONDS:-100}" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1; tail -15 "$OUT/serve.log"
 fi
 if [ "${MGPU_EQ:-1}" = 1 ]; then
