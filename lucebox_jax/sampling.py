@@ -125,14 +125,16 @@ class RowParams:
     @classmethod
     def from_params(cls, params: list[SamplingParams], default_seed: int = 0) -> "RowParams":
         seeds = [p.seed if p.seed is not None else default_seed + i for i, p in enumerate(params)]
-        return cls(
-            temperature=jnp.asarray([p.temperature for p in params], jnp.float32),
-            top_k=jnp.asarray([p.top_k for p in params], jnp.int32),
-            top_p=jnp.asarray([p.top_p for p in params], jnp.float32),
-            min_p=jnp.asarray([p.min_p for p in params], jnp.float32),
-            rep_penalty=jnp.asarray([p.repetition_penalty for p in params], jnp.float32),
-            keys=jnp.asarray(seed_keys([s % SEED_LIMIT for s in seeds])),
-        )
+        # built on the host in their final dtypes and sent in one device_put: jnp.asarray of a list would add an
+        # eager conversion op per field (a dispatch each; a scheduler admission makes one RowParams)
+        return jax.device_put(cls(
+            temperature=np.asarray([p.temperature for p in params], np.float32),
+            top_k=np.asarray([p.top_k for p in params], np.int32),
+            top_p=np.asarray([p.top_p for p in params], np.float32),
+            min_p=np.asarray([p.min_p for p in params], np.float32),
+            rep_penalty=np.asarray([p.repetition_penalty for p in params], np.float32),
+            keys=seed_keys([s % SEED_LIMIT for s in seeds]),
+        ))
 
 
 def apply_repetition_penalty(logits, seen, penalty):

@@ -238,9 +238,10 @@ class Scheduler:
         row_max = np.array([r.max_new for r in reqs], np.int32)
         first_np = np.asarray(first.tokens)
         done = np.array([int(t) in r.stop_ids or r.max_new <= 1 for t, r in zip(first_np, reqs)])
+        slot_d, row_max_d, stop_d, done_d = jax.device_put(  # one call, no eager conversions
+            (np.asarray(slot_ids, np.int32), row_max, stop, done))
         self.state = self._call(("insert", p, cache.max_len, self.slots, self.cache_len, k), insert_rows, self.state,
-                                cache, jnp.asarray(slot_ids, jnp.int32), first.tokens, seen, rp,
-                                jnp.asarray(row_max), jnp.asarray(stop), jnp.asarray(done))
+                                cache, slot_d, first.tokens, seen, rp, row_max_d, stop_d, done_d)
         if self.spec is not None:
             self._admit_spec(prompts, slot_ids, first.tokens)
         self.stats["prefill_calls"] += 1
@@ -261,9 +262,9 @@ class Scheduler:
                 toks[r, : len(seg)] = seg
             n_valid = np.clip(lens - off, 0, t).astype(np.int32)
             start = np.where(n_valid > 0, off, np.minimum(lens, off)).astype(np.int32)
+            toks_d, start_d, n_valid_d = jax.device_put((toks, start, n_valid))  # one call, no eager conversions
             logits, cache = self._call(("prefill", b, t, cache.max_len, False), prefill_step, eng.cfg, eng.kernels,
-                                       eng.weights, cache, jnp.asarray(toks), jnp.asarray(start),
-                                       jnp.asarray(n_valid))
+                                       eng.weights, cache, toks_d, start_d, n_valid_d)
             ends_here = jnp.asarray((n_valid > 0) & (lens <= off + t))[:, None]
             last = logits if last is None else jnp.where(ends_here, logits, last)
             off += t
