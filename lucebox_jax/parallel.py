@@ -246,7 +246,7 @@ def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):
     def run(q, k, v, pos, rows=None, *, scale, window=None):
         extra = {} if window is None else {"window": window}
         body = functools.partial(fn, scale=scale, **extra)
-        args = (q, k, v, pos) + (() if rows is None else (rows,))  # rows: a verify's positions as decode rows (model.forward)
+        args = (q, k, v, pos) + (() if rows is None else (rows,))  # rows: a verify's positions (model.forward)
         if heads_split and k.shape[1] % mesh.size:  # another model's cache (a draft model's): not split by heads
             return body(*args)
         return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + (P(),) * (len(args) - 3),

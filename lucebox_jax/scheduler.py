@@ -314,8 +314,9 @@ class Scheduler:
 
     def loop_stats(self) -> dict:
         """Where the host loop's time went so far: seconds in decode calls (dispatch until the host has their tokens;
-        the round's hooks and hand-back run inside it, overlapping the device) and in admissions (prefill and insert), decode calls, and occupancy = the mean share of slots holding a
-        request when a decode call starts (rows that finish inside a call count as busy for all of it)."""
+        the round's hooks and hand-back run inside it, overlapping the device) and in admissions (prefill and
+        insert), decode calls, and occupancy = the mean share of slots holding a request when a decode call starts
+        (rows that finish inside a call count as busy for all of it)."""
         st = dict(self.stats)
         calls = st.get("decode_calls", 0)
         return {"slots": self.slots, "decode_calls": calls, "decode_s": round(st.get("decode_s", 0.0), 4),
