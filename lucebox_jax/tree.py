@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .model import KVCache, forward
+from .model import KVCache, _write_kv, forward
 from .sampling import filter_logits
 
 TAG_TREE = 4
@@ -121,7 +121,7 @@ def move_path_kv(cache: KVCache, start, path, depth: int) -> KVCache:
 
     def move(c):
         got = jnp.take_along_axis(c, src[:, None, :, None], axis=2)  # [B, Hkv, depth, hd]
-        return jax.vmap(lambda cc, g, s: jax.lax.dynamic_update_slice(cc, g, (0, s, 0)))(c, got, start + 1)
+        return _write_kv(c, got.transpose(0, 2, 1, 3), start + 1)  # (one row: no scatter; see model._write_kv)
 
     return KVCache(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v), lengths=cache.lengths)
 
