@@ -48,12 +48,18 @@ def attention_tree(q, k, v, n_visible, k_win, v_win, anc, *, scale: float, rows_
         return a[:, :, :n].reshape(b, hkv, g, t, *a.shape[3:])
 
     acc, m, l = back(acc), back(m), back(l)
-    qg = q.reshape(b, t, hkv, g, d).astype(jnp.float32)
-    sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    # the window's scores and sum as the flash kernels take them: operands in the cache's dtype (q . k products of
+    # bf16 values are exact in float32), float32 accumulation, the probabilities rounded to v's dtype for p . v;
+    # float32 `HIGHEST` einsums cost XLA's multi-pass matmuls for a few dozen keys
+    wt = k_win.dtype
+    qg = q.reshape(b, t, hkv, g, d).astype(wt)
+    sw = jnp.einsum("bthgd,bjhd->bhgtj", qg, k_win, preferred_element_type=jnp.float32,
+                    precision=lax.Precision.HIGHEST if wt == jnp.float32 else None)
     sw = jnp.where(anc[:, None, None], sw * (scale * _LOG2E), _NEG)  # log2 units, as the kernel's
     m2 = jnp.max(sw, axis=-1)
     p2 = jnp.exp2(sw - m2[..., None])
-    acc2 = jnp.einsum("bhgtj,bjhd->bhgtd", p2, v_win.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+    acc2 = jnp.einsum("bhgtj,bjhd->bhgtd", p2.astype(v_win.dtype), v_win, preferred_element_type=jnp.float32,
+                      precision=lax.Precision.HIGHEST if v_win.dtype == jnp.float32 else None)
     mm = jnp.maximum(m, m2)
     a1, a2 = jnp.exp2(m - mm), jnp.exp2(m2 - mm)  # a1 = 0 where the prefix is empty (m = -1e30)
     out = (acc * a1[..., None] + acc2 * a2[..., None]) / (l * a1 + jnp.sum(p2, axis=-1) * a2)[..., None]
