@@ -61,6 +61,8 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--steps-per-call", type=int, default=None, help="default 8 (the server's default)")
     p.add_argument("--exit-on-finish", action="store_true", help="start the server with --exit-on-finish")
+    p.add_argument("--engine-process", action="store_true",
+                   help="start the server with --engine-process (the device loop in a process of its own)")
     p.add_argument("--clients-per-process", type=int, default=16,
                    help="client processes of this many clients each (0: all in this process)")
     p.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run; levels left out after")
@@ -105,7 +107,7 @@ def start_server(a, slots: int, out_dir: str, deadline: float):
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--batch-size", str(slots),
            "--max-context", str(a.max_context), "--steps-per-call", str(a.steps_per_call), "--served-model-name",
            "bench", "--max-queue", "4096", "--warmup", a.warmup] + (["--model", a.model] if a.model else []) + (
-           ["--exit-on-finish"] if a.exit_on_finish else [])
+           ["--exit-on-finish"] if a.exit_on_finish else []) + (["--engine-process"] if a.engine_process else [])
     logf = open(os.path.join(out_dir, f"server_{slots}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     t0 = time.perf_counter()
@@ -359,6 +361,7 @@ def main(argv=None):
     md = (f"bench_serve on {result['device']}: {a.new_tokens} new tokens per request, prompts {a.prompt_min}-"
           f"{a.prompt_max} tokens, context {a.max_context}, {a.steps_per_call} steps per call, server slots = clients, "
           f"{a.clients_per_process or 'all'} clients per client process"
+          f"{', --exit-on-finish' if a.exit_on_finish else ''}{', --engine-process' if a.engine_process else ''}"
           "\n\n" + "\n".join(lines) + "\n")
     with open(os.path.join(out_dir, "bench_serve.md"), "w") as f:
         f.write(md)

@@ -32,6 +32,9 @@ def add_serve_arguments(p):
     g.add_argument("--exit-on-finish", action="store_true",
                    help="end a decode call as soon as a request finishes, not after --steps-per-call steps (its "
                         "client hears sooner and sends its next request sooner; more, shorter calls)")
+    g.add_argument("--engine-process", action="store_true",
+                   help="run the model and its device loop in a process of their own, so the HTTP side does not "
+                        "share one interpreter lock with them (not measured yet; off by default)")
     g.add_argument("--keep-alive", type=float, default=30.0,
                    help="seconds an idle HTTP connection is kept open (default 30). Longer than the 5 s for which "
                         "pooled clients (httpx, so the openai client) reuse an idle connection: at uvicorn's default "
@@ -82,25 +85,30 @@ def run_serve_from_args(args) -> int:
 
     name = _model_name(args)
     api_key = args.api_key or os.environ.get("LUCEBOX_API_KEY") or None
+    # 8 on the GPU too (batch jobs: 16): a request arriving mid-call waits for the running call, and on the H200 at 32
+    # clients 8 steps answered first tokens in 71 ms p50 against 16 steps' 117 ms (benchmarks/RESULTS.md, issue 15)
+    steps = args.steps_per_call or 8
+    llm_kwargs = dict(model=args.model, kernels=args.kernels, max_context=args.max_context,
+                      use_checkpoint=not args.no_checkpoint, tensor_parallel=args.tensor_parallel, draft=args.draft,
+                      num_draft=args.num_draft)
+    if args.engine_process:  # (before anything starts jax here: the child must have the device to itself)
+        return _serve_with_engine_process(args, name, api_key, llm_kwargs, steps)
     gpu = jax.default_backend() != "cpu"
-    ctx = args.max_context or (4096 if gpu else 2048)
+    llm_kwargs["max_context"] = server_context(args.max_context, gpu)
+    warmup = args.warmup or ("full" if gpu else "basic")
     print(f"loading {name} ...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, kernels=args.kernels, max_context=ctx, use_checkpoint=not args.no_checkpoint,
-              tensor_parallel=args.tensor_parallel, draft=args.draft, num_draft=args.num_draft)
+    llm = LLM(**llm_kwargs)
     slots, ctx = default_shape(llm.engine, args.batch_size, llm.config.max_context)
     spec = None
     if llm.spec is not None:  # speculation per slot inside the continuous batch (spec_batch.py), as batch jobs do
         from ..spec_batch import BatchSpec
 
         spec = BatchSpec.from_decoder(llm.spec, max_slots=getattr(args, "spec_max_slots", None))
-    # 8 on the GPU too (batch jobs: 16): a request arriving mid-call waits for the running call, and on the H200 at 32
-    # clients 8 steps answered first tokens in 71 ms p50 against 16 steps' 117 ms (benchmarks/RESULTS.md, issue 15)
-    steps = args.steps_per_call or 8
     # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
     sys.setswitchinterval(5e-4)
     engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue, spec=spec,
                         exit_on_finish=args.exit_on_finish)
-    if (args.warmup or ("full" if gpu else "basic")) == "full":
+    if warmup == "full":
         print(f"compiling the serving shapes (prompts up to {ctx - 1} tokens; --warmup basic skips this) ...",
               file=sys.stderr, flush=True)
         engine.precompile()
@@ -110,10 +118,40 @@ def run_serve_from_args(args) -> int:
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots, context {ctx}, {steps} steps per "
           f"call{', API key required' if api_key else ''}; load {llm.load_seconds:.1f} s, compile "
           f"{llm.engine.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+    _run_http(app, args, engine)
+    return 0
+
+
+def _run_http(app, args, engine):
+    import uvicorn
+
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or os.environ.get("LUCEBOX_API_KEY")):
         print(f"warning: bound to {args.host} without --api-key: anyone who can reach this port can use the model",
               file=sys.stderr, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=2, timeout_keep_alive=args.keep_alive)
     engine.stop()
+
+
+def server_context(max_context: int | None, gpu: bool) -> int:
+    return max_context or (4096 if gpu else 2048)
+
+
+def _serve_with_engine_process(args, name, api_key, llm_kwargs, steps) -> int:
+    """--engine-process: the child loads, compiles and runs the device loop; this process serves HTTP."""
+    from .app import ServerConfig, create_app
+    from .engine_process import EngineClient
+
+    # the child resolves the context, the slot count and the warm-up as the in-process server does
+    loop_kwargs = dict(slots=args.batch_size, steps_per_call=steps, max_queue=args.max_queue,
+                       exit_on_finish=args.exit_on_finish, spec_max_slots=getattr(args, "spec_max_slots", None))
+    print(f"loading {name} in an engine process ...", file=sys.stderr, flush=True)
+    engine = EngineClient(llm_kwargs, loop_kwargs, warmup=args.warmup, max_queue=args.max_queue)
+    engine.start()
+    app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.slots} slots, context {engine.max_len}, "
+          f"{steps} steps per call, engine process {engine.proc.pid}{', API key required' if api_key else ''}; "
+          f"load {engine.info['load_seconds']:.1f} s, compile {engine.info['compile_seconds']:.1f} s)",
+          file=sys.stderr, flush=True)
+    _run_http(app, args, engine)
     return 0

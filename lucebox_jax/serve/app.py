@@ -75,7 +75,7 @@ def create_app(engine: EngineLoop, cfg: ServerConfig) -> Starlette:
             raise P.bad(f"We could not parse the JSON body of your request: {e}", None, "invalid_json") from None
 
     def tokenize(gen: P.GenRequest) -> tuple[list[int], str | None]:
-        tok, vocab = engine.tokenizer, engine.llm.config.vocab_size
+        tok, vocab = engine.tokenizer, engine.vocab_size
         if gen.prompt_ids is not None:
             bad_ids = [t for t in gen.prompt_ids if not 0 <= t < vocab]
             if bad_ids:

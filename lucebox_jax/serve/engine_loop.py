@@ -122,6 +122,10 @@ class EngineLoop:
         self.spec_stats: dict | None = None  # speculation's acceptance so far (device thread's snapshot)
         self._sched: Scheduler | None = None  # the running scheduler (its loop_stats for /health)
 
+    @property
+    def vocab_size(self) -> int:
+        return self.llm.config.vocab_size
+
     # ------------------------------------------------------------------ handler side
     def make_job(self, ids: list[int], params: SamplingParams, max_new: int, sink, stream: bool,
                  prompt: str | None = None) -> Job:
