@@ -16,11 +16,6 @@ os.environ.setdefault("LUCEBOX_JAX_CACHE", os.path.join(os.path.dirname(os.path.
 # persistent cache above. Serialising every executable of the whole suite into it (min size 0) segfaulted inside
 # XLA's CPU `executable.serialize()` late in full runs (twice, both in test_train_draft; never in smaller runs).
 jax.config.update("jax_enable_compilation_cache", False)
-# Mosaic GPU's interpreter (the mgpu kernel tests) runs each simulated GPU thread as a CPU computation that waits in
-# callbacks for the others. Dispatched asynchronously, those computations share the CPU client's few worker threads
-# (2 cores here), and a full run hung once with every thread waiting (2026-12-04, ninth session). Inline, each runs on
-# the thread that calls it. (Read when the CPU backend starts: before any test touches jax.)
-jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -77,11 +77,6 @@ def run_serve_from_args(args) -> int:
         from .app import ServerConfig, create_app
     except ImportError as e:
         raise JobError(f"--serve needs starlette and uvicorn ({e}); pip install starlette uvicorn") from None
-    import jax
-
-    from ..jobs import default_shape
-    from ..llm import LLM
-    from .engine_loop import EngineLoop
 
     name = _model_name(args)
     api_key = args.api_key or os.environ.get("LUCEBOX_API_KEY") or None
@@ -93,33 +88,52 @@ def run_serve_from_args(args) -> int:
                       num_draft=args.num_draft)
     if args.engine_process:  # (before anything starts jax here: the child must have the device to itself)
         return _serve_with_engine_process(args, name, api_key, llm_kwargs, steps)
-    gpu = jax.default_backend() != "cpu"
-    llm_kwargs["max_context"] = server_context(args.max_context, gpu)
-    warmup = args.warmup or ("full" if gpu else "basic")
     print(f"loading {name} ...", file=sys.stderr, flush=True)
-    llm = LLM(**llm_kwargs)
-    slots, ctx = default_shape(llm.engine, args.batch_size, llm.config.max_context)
+    llm, engine = start_engine_loop(llm_kwargs, loop_kwargs(args, steps), args.warmup)
+    app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.slots} slots, context {engine.max_len}, "
+          f"{steps} steps per call{', API key required' if api_key else ''}; load {llm.load_seconds:.1f} s, compile "
+          f"{llm.engine.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
+    _run_http(app, args, engine)
+    return 0
+
+
+def loop_kwargs(args, steps: int) -> dict:
+    """EngineLoop's settings from the command line (the slot count may be None: `start_engine_loop` resolves it)."""
+    return dict(slots=args.batch_size, steps_per_call=steps, max_queue=args.max_queue,
+                exit_on_finish=args.exit_on_finish, spec_max_slots=getattr(args, "spec_max_slots", None))
+
+
+def start_engine_loop(llm_kwargs: dict, loop_kw: dict, warmup: str | None):
+    """Load the model, build the device loop, compile its serving shapes (`warmup` "full"; default on a GPU), start
+    it and run one tiny request through it: (llm, EngineLoop). The in-process server and `--engine-process`'s child
+    both start here."""
+    import jax
+
+    from ..jobs import default_shape
+    from ..llm import LLM
+    from .engine_loop import EngineLoop
+
+    gpu = jax.default_backend() != "cpu"
+    llm = LLM(**{**llm_kwargs, "max_context": server_context(llm_kwargs.get("max_context"), gpu)})
+    loop_kw = dict(loop_kw)
+    slots, ctx = default_shape(llm.engine, loop_kw.pop("slots"), llm.config.max_context)
+    spec_max_slots = loop_kw.pop("spec_max_slots", None)
     spec = None
     if llm.spec is not None:  # speculation per slot inside the continuous batch (spec_batch.py), as batch jobs do
         from ..spec_batch import BatchSpec
 
-        spec = BatchSpec.from_decoder(llm.spec, max_slots=getattr(args, "spec_max_slots", None))
+        spec = BatchSpec.from_decoder(llm.spec, max_slots=spec_max_slots)
     # the device thread must get the GIL back quickly from the HTTP thread when a decode call returns
     sys.setswitchinterval(5e-4)
-    engine = EngineLoop(llm, slots=slots, max_len=ctx, steps_per_call=steps, max_queue=args.max_queue, spec=spec,
-                        exit_on_finish=args.exit_on_finish)
-    if warmup == "full":
+    engine = EngineLoop(llm, slots=slots, max_len=ctx, spec=spec, **loop_kw)
+    if (warmup or ("full" if gpu else "basic")) == "full":
         print(f"compiling the serving shapes (prompts up to {ctx - 1} tokens; --warmup basic skips this) ...",
               file=sys.stderr, flush=True)
         engine.precompile()
     engine.start()
     engine.warmup()
-    app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({slots} slots, context {ctx}, {steps} steps per "
-          f"call{', API key required' if api_key else ''}; load {llm.load_seconds:.1f} s, compile "
-          f"{llm.engine.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
-    _run_http(app, args, engine)
-    return 0
+    return llm, engine
 
 
 def _run_http(app, args, engine):
@@ -142,11 +156,8 @@ def _serve_with_engine_process(args, name, api_key, llm_kwargs, steps) -> int:
     from .app import ServerConfig, create_app
     from .engine_process import EngineClient
 
-    # the child resolves the context, the slot count and the warm-up as the in-process server does
-    loop_kwargs = dict(slots=args.batch_size, steps_per_call=steps, max_queue=args.max_queue,
-                       exit_on_finish=args.exit_on_finish, spec_max_slots=getattr(args, "spec_max_slots", None))
     print(f"loading {name} in an engine process ...", file=sys.stderr, flush=True)
-    engine = EngineClient(llm_kwargs, loop_kwargs, warmup=args.warmup, max_queue=args.max_queue)
+    engine = EngineClient(llm_kwargs, loop_kwargs(args, steps), warmup=args.warmup, max_queue=args.max_queue)
     engine.start()
     app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.slots} slots, context {engine.max_len}, "

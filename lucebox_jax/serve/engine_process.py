@@ -18,6 +18,7 @@ import itertools
 import multiprocessing as mp
 import queue
 import threading
+import time
 from typing import Callable
 
 from ..sampling import SamplingParams
@@ -71,10 +72,16 @@ class EngineClient:
         from ..tokenizer import Tokenizer
 
         self.proc.start()
-        try:
-            kind, payload = self._evt.get(timeout=self.start_timeout)
-        except queue.Empty:
-            raise RuntimeError(f"the engine process did not start within {self.start_timeout:.0f} s") from None
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            try:
+                kind, payload = self._evt.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"the engine process exited ({self.proc.exitcode}) before it was ready") from None
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine process did not start within {self.start_timeout:.0f} s") from None
         if kind != "ready":
             raise RuntimeError(f"the engine process failed to start: {payload}")
         self.info = payload
@@ -168,40 +175,22 @@ class EngineClient:
 
 
 def _child_main(llm_kwargs: dict, loop_kwargs: dict, warmup: str, cmd, evt):
-    """The engine process: load the model, compile, run EngineLoop, and serve the parent's commands."""
+    """The engine process: load the model, compile, run EngineLoop, and serve the parent's commands until told to
+    stop or until the parent is gone (a parent killed without stopping it must not leave it running)."""
+    import os
+
+    parent = os.getppid()
     try:
-        import sys
+        from . import start_engine_loop
 
-        import jax
-
-        from ..jobs import default_shape
-        from ..llm import LLM
-        from . import server_context
-        from .engine_loop import EngineLoop
-
-        sys.setswitchinterval(5e-4)  # (as the in-process server: its loop thread gets the lock back quickly)
-        gpu = jax.default_backend() != "cpu"
-        llm_kwargs = {**llm_kwargs, "max_context": server_context(llm_kwargs.get("max_context"), gpu)}
-        warmup = warmup or ("full" if gpu else "basic")
-        spec_kw = loop_kwargs.pop("spec_max_slots", None)
-        llm = LLM(**llm_kwargs)
-        slots, ctx = default_shape(llm.engine, loop_kwargs.pop("slots"), llm.config.max_context)
-        spec = None
-        if llm.spec is not None:
-            from ..spec_batch import BatchSpec
-
-            spec = BatchSpec.from_decoder(llm.spec, max_slots=spec_kw)
-        engine = EngineLoop(llm, slots=slots, max_len=ctx, spec=spec, **loop_kwargs)
-        if warmup == "full":
-            engine.precompile()
-        engine.start()
-        engine.warmup()
+        llm, engine = start_engine_loop(llm_kwargs, loop_kwargs, warmup)
     except Exception as e:  # noqa: BLE001 - the parent reports it
         evt.put(("failed", f"{type(e).__name__}: {e}"))
         return
     evt.put(("ready", {"tokenizer": llm.tokenizer.to_metadata(), "max_len": engine.max_len, "slots": engine.slots,
                        "vocab_size": llm.config.vocab_size, "load_seconds": llm.load_seconds,
                        "compile_seconds": llm.engine.compile_seconds}))
+    evt.cancel_join_thread()  # from here, exiting does not wait for a parent that may no longer read the events
     jobs: dict = {}
 
     def sink_for(jid):
@@ -212,7 +201,13 @@ def _child_main(llm_kwargs: dict, loop_kwargs: dict, warmup: str, cmd, evt):
         return sink
 
     while True:
-        msg = cmd.get()
+        try:
+            msg = cmd.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # orphaned
+                engine.stop()
+                os._exit(0)
+            continue
         if msg[0] == "submit":
             _, jid, ids, params, max_new, stream, prompt = msg
             job = engine.make_job(ids, params, max_new, sink_for(jid), stream, prompt)
@@ -229,4 +224,4 @@ def _child_main(llm_kwargs: dict, loop_kwargs: dict, warmup: str, cmd, evt):
             evt.put(("load", msg[1], engine.load(msg[2])))
         elif msg[0] == "stop":
             engine.stop()
-            return
+            os._exit(0)  # (no interpreter teardown: nothing is left to flush, and a device runtime can hang in it)
