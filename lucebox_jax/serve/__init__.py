@@ -87,14 +87,27 @@ def run_serve_from_args(args) -> int:
                       use_checkpoint=not args.no_checkpoint, tensor_parallel=args.tensor_parallel, draft=args.draft,
                       num_draft=args.num_draft)
     if args.engine_process:  # (before anything starts jax here: the child must have the device to itself)
-        return _serve_with_engine_process(args, name, api_key, llm_kwargs, steps)
-    print(f"loading {name} ...", file=sys.stderr, flush=True)
-    llm, engine = start_engine_loop(llm_kwargs, loop_kwargs(args, steps), args.warmup)
+        from .engine_process import EngineClient
+
+        print(f"loading {name} in an engine process ...", file=sys.stderr, flush=True)
+        engine = EngineClient(llm_kwargs, loop_kwargs(args, steps), warmup=args.warmup, max_queue=args.max_queue)
+        engine.start()
+        load_s, compile_s = engine.info["load_seconds"], engine.info["compile_seconds"]
+        where = f", engine process {engine.proc.pid}"
+    else:
+        print(f"loading {name} ...", file=sys.stderr, flush=True)
+        llm, engine = start_engine_loop(llm_kwargs, loop_kwargs(args, steps), args.warmup)
+        load_s, compile_s, where = llm.load_seconds, llm.engine.compile_seconds, ""
     app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))
     print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.slots} slots, context {engine.max_len}, "
-          f"{steps} steps per call{', API key required' if api_key else ''}; load {llm.load_seconds:.1f} s, compile "
-          f"{llm.engine.compile_seconds:.1f} s)", file=sys.stderr, flush=True)
-    _run_http(app, args, engine)
+          f"{steps} steps per call{where}{', API key required' if api_key else ''}; load {load_s:.1f} s, compile "
+          f"{compile_s:.1f} s)", file=sys.stderr, flush=True)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not api_key:
+        print(f"warning: bound to {args.host} without --api-key: anyone who can reach this port can use the model",
+              file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=2, timeout_keep_alive=args.keep_alive)
+    engine.stop()
     return 0
 
 
@@ -136,33 +149,5 @@ def start_engine_loop(llm_kwargs: dict, loop_kw: dict, warmup: str | None):
     return llm, engine
 
 
-def _run_http(app, args, engine):
-    import uvicorn
-
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or os.environ.get("LUCEBOX_API_KEY")):
-        print(f"warning: bound to {args.host} without --api-key: anyone who can reach this port can use the model",
-              file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
-                timeout_graceful_shutdown=2, timeout_keep_alive=args.keep_alive)
-    engine.stop()
-
-
 def server_context(max_context: int | None, gpu: bool) -> int:
     return max_context or (4096 if gpu else 2048)
-
-
-def _serve_with_engine_process(args, name, api_key, llm_kwargs, steps) -> int:
-    """--engine-process: the child loads, compiles and runs the device loop; this process serves HTTP."""
-    from .app import ServerConfig, create_app
-    from .engine_process import EngineClient
-
-    print(f"loading {name} in an engine process ...", file=sys.stderr, flush=True)
-    engine = EngineClient(llm_kwargs, loop_kwargs(args, steps), warmup=args.warmup, max_queue=args.max_queue)
-    engine.start()
-    app = create_app(engine, ServerConfig(model_name=name, api_key=api_key, max_body_bytes=args.max_body_kb * 1024))
-    print(f"serving {name} on http://{args.host}:{args.port}/v1 ({engine.slots} slots, context {engine.max_len}, "
-          f"{steps} steps per call, engine process {engine.proc.pid}{', API key required' if api_key else ''}; "
-          f"load {engine.info['load_seconds']:.1f} s, compile {engine.info['compile_seconds']:.1f} s)",
-          file=sys.stderr, flush=True)
-    _run_http(app, args, engine)
-    return 0

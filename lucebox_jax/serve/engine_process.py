@@ -42,8 +42,8 @@ class RemoteJob:
     def cancel(self):
         if not self.cancelled:
             self.cancelled = True
-            self.owner._forget(self.id)  # a cancelled job sends no end event: it is not in flight any more
-            self.owner._send(("cancel", self.id))
+            if self.owner._forget(self.id):  # still in flight (a cancelled job sends no end event): tell the child
+                self.owner._send(("cancel", self.id))
 
 
 class EngineClient:
@@ -135,9 +135,10 @@ class EngineClient:
             self._replies.pop(rid, None)
         return {**out, "engine_process": self.proc.pid}
 
-    def _forget(self, jid: int):
+    def _forget(self, jid: int) -> bool:
+        """Drop a job from those in flight; whether it was."""
         with self._lock:
-            self._jobs.pop(jid, None)
+            return self._jobs.pop(jid, None) is not None
 
     def _send(self, msg):
         try:
