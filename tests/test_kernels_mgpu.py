@@ -69,9 +69,10 @@ def test_prepare_repacks_what_tiles_and_linear_dispatches_it(interpreted):
 
 
 def test_engine_decodes_through_mgpu_like_xla():
-    """Run in a process of its own, with a time limit: in two full-suite runs (2026-12-04, ninth session) Mosaic GPU's
-    interpreter hung here with every simulated thread waiting, after other test files had run in the same worker;
-    alone it passes in seconds. A fresh process keeps the check and cannot stall the suite."""
+    """Run in a process of its own, with a time limit and up to three attempts: in three full-suite runs (2026-12-04,
+    ninth session) Mosaic GPU's interpreter hung here with every simulated thread waiting and the CPU idle, once in a
+    fresh process while the other test worker was busy; alone it passes in seconds. A hang (a timeout) is retried;
+    a wrong result or an error fails at once."""
     import os
     import subprocess
     import sys
@@ -85,7 +86,14 @@ def test_engine_decodes_through_mgpu_like_xla():
             "print('ok')\n")
     here = os.path.dirname(os.path.abspath(__file__))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
-    r = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True, timeout=600)
+    for attempt in range(3):
+        try:
+            r = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
+                               timeout=180)
+            break
+        except subprocess.TimeoutExpired:
+            if attempt == 2:
+                raise
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
 
 
