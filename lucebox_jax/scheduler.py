@@ -7,7 +7,8 @@ sampling parameters (`RowParams` rows), generated-token count, token budget, sto
 1. admit: waiting requests go into free slots, up to `max_prefill_batch` at a time. They are prefilled together into
    a small cache [P, Hkv, S_p, D] (P a power of two, padded with copies of the last request; S_p a power of two of
    the padded prompt length), their first tokens sampled, and `insert_rows` (big state donated) writes each row into
-   its slot with `dynamic_update_slice` along the batch axis.
+   its slot with `dynamic_update_slice` along the batch axis. None of it waits for the device: the first tokens are
+   read after the next decode call is dispatched, so the device runs prefill, insert and decode back to back.
 2. decode: `decode_chunk` runs up to `steps_per_call` decode steps of every slot in one on-device `while_loop`,
    leaving early when every slot is done or when enough slots finished to be worth a refill. Done and empty slots
    still compute (static shapes) but neither advance their cache length nor change anything the host reads.
@@ -108,11 +109,14 @@ def decode_chunk(cfg, kernels, weights, state: SlotState, retire, exit_after, n_
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def insert_rows(state: SlotState, small: KVCache, slots, first, seen, rp: RowParams, row_max, stop_ids, done):
+def insert_rows(state: SlotState, small: KVCache, slots, first, seen, rp: RowParams, row_max, stop_ids):
     """Write prefilled rows p = 0..P-1 of `small` (cache [P, Hkv, S_p, D]) and their per-row values into slots[p] of
-    the big state. Positions past min(S_p, S) are not copied (they lie past each prompt's end)."""
+    the big state. Positions past min(S_p, S) are not copied (they lie past each prompt's end). A row whose first
+    token is a stop id or whose budget is one token goes in done: the host need not see the first token before the
+    next decode call is dispatched."""
     s_ins = min(small.max_len, state.cache.max_len)
     n = first.shape[0]
+    done = _is_stop(first, stop_ids) | (row_max <= 1)
 
     def put(big, rows, p, slot):
         row = jax.lax.dynamic_slice_in_dim(rows, p, 1, axis=0)
@@ -217,8 +221,9 @@ class Scheduler:
             pad = jnp.full((self.slots, k - self.state.stop_ids.shape[1]), -1, jnp.int32)
             self.state = self.state.replace(stop_ids=jnp.concatenate([self.state.stop_ids, pad], axis=1))
 
-    def _admit(self, group: list[SlotRequest], slots: list[int]) -> list[int]:
-        """Prefill `group` into `slots`; returns their first tokens."""
+    def _admit(self, group: list[SlotRequest], slots: list[int]) -> jax.Array:
+        """Prefill `group` into `slots`; returns their first tokens [P >= len(group)] on the device. Nothing here waits
+        for the device: the caller dispatches the next decode call before it reads them."""
         eng = self.engine
         n = len(group)
         p = next((x for x in self.prefill_sizes if x >= n), pow2_at_least(n))
@@ -236,18 +241,16 @@ class Scheduler:
         for i, r in enumerate(reqs):
             stop[i, : len(r.stop_ids)] = sorted(r.stop_ids)
         row_max = np.array([r.max_new for r in reqs], np.int32)
-        first_np = np.asarray(first.tokens)
-        done = np.array([int(t) in r.stop_ids or r.max_new <= 1 for t, r in zip(first_np, reqs)])
-        slot_d, row_max_d, stop_d, done_d = jax.device_put(  # one call, no eager conversions
-            (np.asarray(slot_ids, np.int32), row_max, stop, done))
+        slot_d, row_max_d, stop_d = jax.device_put(  # one call, no eager conversions
+            (np.asarray(slot_ids, np.int32), row_max, stop))
         self.state = self._call(("insert", p, cache.max_len, self.slots, self.cache_len, k), insert_rows, self.state,
-                                cache, slot_d, first.tokens, seen, rp, row_max_d, stop_d, done_d)
+                                cache, slot_d, first.tokens, seen, rp, row_max_d, stop_d)
         if self.spec is not None:
             self._admit_spec(prompts, slot_ids, first.tokens)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_rows"] += n
         self.stats["prompt_tokens"] += int(lens[:n].sum())
-        return [int(t) for t in first_np[:n]]
+        return first.tokens
 
     def _prefill(self, cache: KVCache, prompts: list[list[int]]):
         """Engine.prefill (right-padded rows, chunks of PREFILL_CHUNK) with chunks of at least min_prefill_len."""
@@ -382,7 +385,7 @@ class Scheduler:
 
         A round: the last decode call's tokens reach the host and rows that hit a stop id or their budget free their
         slots; new requests are admitted; the next decode call is dispatched; then, while it runs on the device, the
-        caller's stop_check hooks (a server's streaming) run and the round's finished requests are yielded, so their
+        admitted rows' first tokens are read, the caller's stop_check hooks (a server's streaming) run and the round's finished requests are yielded, so their
         host work does not leave the device idle. A row a hook ends is retired one call later."""
         it = iter(requests)
         exhausted = False
@@ -394,6 +397,7 @@ class Scheduler:
         while True:
             done_now: list[Finished] = []
             hooked: list[int] = []  # slots whose new tokens the stop_check hooks have not seen
+            admitted: list[tuple[list[int], jax.Array]] = []  # (slots, their first tokens on the device)
             if pending is not None:
                 buf = np.asarray(pending[0])  # waits for the call in flight
                 self.stats["decode_s"] += time.perf_counter() - pending[1]  # dispatch to tokens on the host
@@ -431,19 +435,11 @@ class Scheduler:
                     group.append(waiting.popleft())
                 slots = [free.pop(0) for _ in group]
                 t0 = time.perf_counter()
-                firsts = self._admit(group, slots)
+                admitted.append((slots, self._admit(group, slots)))
                 self.stats["admit_s"] += time.perf_counter() - t0
-                for s, r, t in zip(slots, group, firsts):
-                    a = _Active(r, [t])
-                    why = self._check(a)
-                    if why is None:
-                        active[s] = a
-                        retire[s] = False
-                        hooked.append(s)
-                    else:
-                        done_now.append(Finished(r, a.ids, why))
-                        free.append(s)
-                        retire[s] = True
+                for s, r in zip(slots, group):
+                    active[s] = _Active(r, [])  # its first token is read once the next call is dispatched
+                    retire[s] = False
             if active:
                 # with requests waiting, come back as soon as a prefill group's worth of slots is free
                 exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
@@ -452,6 +448,22 @@ class Scheduler:
                 pending = (self._decode(retire, exit_after, active), t0)
                 self.stats["busy_slot_calls"] += len(active)
                 retire[:] = False
+            # the admitted rows' first tokens: their prefills run before the call just dispatched, so this waits for
+            # them only, while the device goes on into the decode call (a row done at its first token is done there)
+            t0 = time.perf_counter()
+            for slots, firsts in admitted:
+                firsts = np.asarray(firsts)
+                for s, t in zip(slots, firsts):
+                    a = active[s]
+                    a.ids.append(int(t))
+                    why = self._check(a)
+                    if why is None:
+                        hooked.append(s)
+                    else:
+                        done_now.append(Finished(a.req, a.ids, why))
+                        del active[s]
+                        free.append(s)
+            self.stats["admit_s"] += time.perf_counter() - t0
             self._hooks(active, free, retire, done_now, hooked)  # on the host while the device decodes
             if done_now:
                 self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)

@@ -112,6 +112,43 @@ def test_hooks_run_while_the_next_call_is_in_flight(tiny_llm, greedy_case):
     assert [n for n, _ in seen] == list(range(1, len(ref[2]), STEPS))
 
 
+def test_admission_does_not_wait_for_the_device(tiny_llm, greedy_case, monkeypatch):
+    """An admission (prefill, first token, insert) only dispatches: it reads no device array back (jax's transfer
+    guard does not fire on the CPU backend, so the scheduler's numpy is watched instead). A row whose first token is
+    a stop id is marked done on the device at its insert, finishes with that one token, and leaves the row beside it
+    as it was."""
+    import jax
+
+    from lucebox_jax import scheduler
+
+    class NoPull:  # the scheduler's numpy, refusing device arrays
+        def __getattr__(self, name):
+            return getattr(np, name)
+
+        def asarray(self, a, *args, **kw):
+            assert not isinstance(a, jax.Array), "the admission read a device array back"
+            return np.asarray(a, *args, **kw)
+
+        array = asarray
+
+    prompts, params, ref = greedy_case
+    stop_first = dataclasses.replace(params[1], seed=0, stop_token_ids=[ref[1][0]])
+    reqs = [_req(1, prompts[1], stop_first, tiny_llm), _req(2, prompts[2], dataclasses.replace(params[2], seed=0),
+                                                                tiny_llm)]
+    sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2)
+    sched._admit(reqs[:1], [0])  # compiles outside the guard
+    with monkeypatch.context() as m:
+        m.setattr(scheduler, "np", NoPull())
+        firsts = sched._admit(reqs, [0, 1])
+    assert list(np.asarray(sched.state.done)) == [True, False]  # the stop at the first token, known on the device
+    assert int(np.asarray(firsts)[0]) == ref[1][0]
+    got = {f.request.key: f for batch in Scheduler(
+        tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2).run(reqs)
+        for f in batch}
+    assert got[1].token_ids == [ref[1][0]] and got[1].finish_reason == "stop"
+    assert got[2].token_ids == ref[2] and got[2].finish_reason == "length"
+
+
 def test_rejects_requests_that_do_not_fit(tiny_llm):
     sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=32, steps_per_call=STEPS)
     with pytest.raises(ValueError, match="does not fit"):
