@@ -28,6 +28,12 @@ fi
 # pipeline and barriers alone, as tabled, deeper, and with larger boxes (round 5 timed skip_scale / skip_convert,
 # chains and scale_after: VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"scale_after":true}'; `chains` was removed in the seventh session)
 DEFAULT_VARIANTS='{"probe":"skip_x"};{"probe":"skip_mma"};{"probe":"skip_mma","steps":8};{"probe":"skip_mma","groups":4,"steps":2};{"probe":"skip_mma","split_k":2}'
+# STREAM=1 (tenth session, built on the CPU): the variants are the stream-K schedule on the tabled configuration, with
+# its own step size and with one group a step (finer runs); CASES then defaults to the four g128 shapes and the head
+if [ "${STREAM:-0}" = 1 ]; then
+  DEFAULT_VARIANTS='{"stream_k":true,"split_k":1};{"stream_k":true,"split_k":1,"groups":1};{"stream_k":true,"split_k":1,"steps":6}'
+  CASES=${CASES:-gate_up down qkv o head}
+fi
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   for c in ${CASES:-gate_up down qkv o}; do

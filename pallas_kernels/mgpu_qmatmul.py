@@ -22,7 +22,9 @@ after the last group (`wait_each_group` waits after each, which keeps one group'
 issued before any is read, so one group's conversion overlaps the previous group's wgmma), and its float32 sums are
 scaled: tm x tile_t multiplies, not tm x g.
 A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32 partial sums that
-one small XLA reduction adds. `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
+one small XLA reduction adds. With `stream_k` the grid is instead every tile's K steps laid end to end and cut into
+one equal run per CTA (`stream_plan`): one unbroken pipeline per SM, a tile cut between two CTAs summed after from
+their float32 partials (`sum_stream_parts`). `reference` is the plain-jnp twin; `qmatmul_mgpu_reference` the same
 on the engine's `QuantArray`.
 """
 
@@ -55,6 +57,8 @@ class MgpuConfig:
     #                    x) still runs; it prefetches its first weight steps into L2, then waits for that kernel
     scale_after: bool = False  # symmetric weights: wgmma on the raw codes per group, the scale applied in float32 to
     #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
+    stream_k: bool = False  # one pipeline per CTA over an equal share of all (tile, K step) steps, crossing tile
+    #                         boundaries (see `stream_plan`); with `split_k` 1: it replaces the K splits
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -192,7 +196,39 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"tile_t {cfg.tile_t} must be a multiple of 16 up to 256"
     if g < min(cfg.tile_t, 64):  # wgmma steps K by the x^T tile's swizzle width (tile_t bf16, at most 128 bytes)
         return f"group {g} is narrower than the {min(cfg.tile_t, 64)}-row K step of a {cfg.tile_t}-token tile"
+    if cfg.stream_k and (cfg.split_k != 1 or cfg.pdl):
+        return "stream_k takes split_k 1 (it splits K itself) and no pdl"
     return None
+
+
+def stream_plan(tiles: int, steps_per_tile: int, ctas: int) -> tuple[int, int, "np.ndarray"]:
+    """Stream-K: the tiles' K steps laid end to end (tile-major), cut into equal runs of `per_cta` steps, one run per
+    CTA, so every SM streams the same number of bytes through one unbroken pipeline (a grid of whole work items
+    leaves SMs idle in its last wave: gate+up's 112 tiles on 132 SMs, down's 256 split-K items in 1.9 waves). A tile
+    cut between CTAs gets one float32 partial sum from each, in slots 0, 1, ... of a [parts, M, N] output, summed
+    after. Returns (per_cta, ctas used, written [parts, tiles] bool: which slots each tile's CTAs write)."""
+    import numpy as np
+
+    total = tiles * steps_per_tile
+    per_cta = -(-total // max(1, min(ctas, total)))
+    first = np.arange(tiles) * steps_per_tile // per_cta  # the CTA that starts each tile
+    last = ((np.arange(tiles) + 1) * steps_per_tile - 1) // per_cta
+    parts = int((last - first).max()) + 1
+    written = np.arange(parts)[:, None] <= (last - first)[None, :]
+    return per_cta, -(-total // per_cta), written
+
+
+def sum_stream_parts(out: jax.Array, written, tile_rows: int, tile_cols: int) -> jax.Array:
+    """Adds a stream-K kernel's partial sums [parts, rows, N]: only the slots a tile's CTAs wrote (`written`
+    [parts, tiles], tiles numbered column tile major, then row tile); the others hold whatever memory held."""
+    import numpy as np
+
+    parts, rows, n = out.shape
+    t_tiles = -(-rows // tile_rows)
+    w = np.asarray(written).reshape(parts, n // tile_cols, t_tiles)[:, :, np.arange(rows) // tile_rows]
+    mask = jnp.asarray(w.transpose(0, 2, 1))[:, :, :, None]  # [parts, rows, column tiles, 1]: small
+    out = out.reshape(parts, rows, n // tile_cols, tile_cols)
+    return jnp.where(mask, out, 0.0).sum(axis=0).reshape(rows, n)
 
 
 def load_mode(cfg: MgpuConfig, w: MgpuWeight) -> str:
@@ -275,7 +311,11 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     steps_per_split = k // g // gps // splits
     work = n_tiles * t_tiles * splits
     asym = w.offsets is not None
-    out_dtype = jnp.float32 if splits > 1 else jnp.bfloat16
+    stream = cfg.stream_k
+    if stream:  # (split_k is 1: steps_per_split is a tile's K steps)
+        per_cta, stream_ctas, written = stream_plan(n_tiles * t_tiles, steps_per_split, num_sms * cfg.ctas_per_sm)
+    parts = written.shape[0] if stream else splits  # float32 partial sums per output element
+    out_dtype = jnp.float32 if parts > 1 else jnp.bfloat16
     # On the GPU x [M, K] goes in as it is and the output comes out token-major, [M, N]: a token tile reaching past M
     # reads zeros (TMA fills rows out of bounds) and its writes past row M are dropped. A decode step then runs no pad,
     # transpose or slice kernel around each matmul (4 pads per layer, 1.5-2.2 us each on the H200), and split-K
@@ -321,26 +361,139 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             plgpu.griddepcontrol_wait()
             plgpu.griddepcontrol_launch_dependents()  # the next kernel's own launch may overlap this one's tail
 
-        def pipeline(body, context):
+        def pipeline(body, context, at=None):
+            # at(step) -> (column tile, token tile, K step) for a stream-K run over whole arrays; None: one work item's
+            # slices, stepping along K
+            at = at or (lambda st: (0, 0, st))
             specs = [
-                plgpu.BlockSpec((gps, cta_m, g), lambda s: (s, 0, 0), transforms=code_tf),
-                plgpu.BlockSpec((gps, cta_m), lambda s: (s, 0)),
+                plgpu.BlockSpec((gps, cta_m, g), lambda st: (at(st)[2], at(st)[0], 0), transforms=code_tf),
+                plgpu.BlockSpec((gps, cta_m), lambda st: (at(st)[2], at(st)[0])),
             ]
             if asym:
-                specs.append(plgpu.BlockSpec((gps, cta_m), lambda s: (s, 0)))
+                specs.append(plgpu.BlockSpec((gps, cta_m), lambda st: (at(st)[2], at(st)[0])))
             if copy_x:
-                specs.append(plgpu.BlockSpec((tt, gps * g), lambda s: (0, s), transforms=x_tf))
+                specs.append(plgpu.BlockSpec((tt, gps * g), lambda st: (at(st)[1], at(st)[2]), transforms=x_tf))
             return plgpu.emit_pipeline_warp_specialized(
-                body, grid=(steps_per_split,), memory_registers=40, in_specs=specs, wg_axis="wg",
-                num_compute_wgs=wgs, max_concurrent_steps=cfg.steps, compute_context=context)
+                body, grid=(per_cta if stream else steps_per_split,), memory_registers=40, in_specs=specs,
+                wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=cfg.steps, compute_context=context)
 
         ignore = lambda *_, **__: None  # noqa: E731
         gmem_args = (c_gmem, s_gmem) + ((mn_gmem,) if asym else ()) + ((x_gmem,) if copy_x else ())
 
+        def step(c_smem, s_smem, mn_smem, x_smem, acc_ref):
+            """One pipeline step's groups into acc_ref (a wgmma accumulator; with `after`, a float32 array)."""
+            if cfg.probe == "skip_mma":
+                return acc_ref
+            wrows = pl.ds(lax.axis_index("wg") * tm, tm)
+            row_layout = plgpu.Layout.WGMMA.reduce(1)
+
+            def operand(j):  # group j's [tm, g] codes in wgmma's register layout, scaled unless `after`
+                # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)
+                if cfg.probe == "skip_convert":
+                    wq = plgpu.layout_cast(jnp.full((tm, g), 0, jnp.bfloat16), plgpu.Layout.WGMMA)
+                elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
+                    wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
+                    wq = unperm_k(wq) if w.k_perm else wq
+                elif loads == "wide":
+                    wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
+                    wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
+                else:
+                    wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
+                    wq = _as_wgmma_layout(wq.astype(jnp.bfloat16))
+                if not scaled or after:
+                    wv = wq
+                else:
+                    sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
+                    wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
+                if asym and scaled:  # (`after` is never asymmetric)
+                    off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
+                    wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
+                if lhs_smem:  # (one buffer per group: a later group must not overwrite an unread one)
+                    a_smem[lax.axis_index("wg"), j] = wv
+                    plgpu.commit_smem()
+                    wv = a_smem.at[lax.axis_index("wg"), j]
+                return wv
+
+            def x_rows(j):  # group j's x^T [g, tt]: a transposed view of the K-minor tile
+                return x_smem.at[:, pl.ds(j * g, g)].transpose((1, 0))
+
+            if after:
+                # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
+                # and conversion overlap group j's wgmma; the first read waits for them all
+                def group_mmas(*gaccs):
+                    for j, gacc in enumerate(gaccs):
+                        plgpu.wgmma(gacc, operand(j), x_rows(j))
+                    return tuple(gacc[...] for gacc in gaccs)
+
+                grp_sums = pl.run_scoped(group_mmas, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(gps)])
+                for j, part in enumerate(grp_sums):
+                    sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
+                    acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))  # an array here
+                return acc_ref
+            for j in range(gps):
+                plgpu.wgmma(acc_ref, operand(j), x_rows(j))
+                if cfg.wait_each_group or j == gps - 1:
+                    plgpu.wgmma_wait(0)
+            return acc_ref
+
+        def smem_refs(refs):  # a body's refs after the scales -> (mins or None, x tile, carry)
+            refs = refs if copy_x else refs[:-1] + (x_scratch, refs[-1])
+            return refs if asym else (None,) + tuple(refs)
+
+        def store(acc, slot, n_idx, t_idx):
+            """A compute warpgroup's [tm, tt] sums into output slot `slot` (split or stream part), stored transposed:
+            the output is token-major [M, N], as the model wants it (the transposed WGMMA layout holds each thread's
+            values in pairs of rows: whole vectors there)."""
+            wg = lax.axis_index("wg")
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            out_smem.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(acc.astype(out_dtype),
+                                                                      plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            dst = out_gmem.at[slot] if parts > 1 else out_gmem
+            plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[pl.ds(t_idx * tt, tt), pl.ds(n_idx * cta_m, cta_m)]
+                                    .at[:, pl.ds(wg * tm, tm)])
+
+        def zeros():
+            return plgpu.layout_cast(jnp.full((tm, tt), 0, jnp.float32), plgpu.Layout.WGMMA)
+
         @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*gmem_args),
                            collective_axes="wg")
         def _scope(allocs):
-            wg = lax.axis_index("wg")
+            if stream:
+                # one pipeline over this CTA's run of global steps; at a tile's last step (or the run's) the sums so
+                # far go to this CTA's slot of that tile and the carry starts again from zero
+                total = n_tiles * t_tiles * steps_per_split
+                base = lax.axis_index("sm") * per_cta
+
+                def at(st):
+                    gs = jnp.minimum(base + st, total - 1)  # (the last CTA's run may reach past the end: reloads)
+                    lin = gs // steps_per_split
+                    return lin // t_tiles, lin % t_tiles, gs % steps_per_split
+
+                def body(idx, c_smem, s_smem, *refs):
+                    mn_smem, x_smem, carry = smem_refs(refs)
+                    if after:
+                        carry = step(c_smem, s_smem, mn_smem, x_smem, carry)
+                    else:
+                        def one(acc_ref):
+                            step(c_smem, s_smem, mn_smem, x_smem, acc_ref)
+                            return acc_ref[...]
+
+                        carry = carry + pl.run_scoped(one, plgpu.ACC((tm, tt), jnp.float32))
+                    (st,) = idx
+                    gs = base + st
+                    lin = jnp.minimum(gs, total - 1) // steps_per_split
+                    ends = (gs % steps_per_split == steps_per_split - 1) | (st == per_cta - 1)
+
+                    @pl.when(ends & (gs < total))
+                    def _():
+                        slot = lax.axis_index("sm") - lin * steps_per_split // per_cta
+                        store(carry, slot, lin // t_tiles, lin % t_tiles)
+
+                    return carry * jnp.where(ends, 0.0, 1.0).astype(jnp.float32)
+
+                pipeline(body, lambda run: run(zeros()), at)(*gmem_args, allocations=allocs)
+                return
 
             @plgpu.nd_loop((work,), collective_axes="sm")
             def _work(info):
@@ -353,87 +506,19 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 rows = pl.ds(n_idx * cta_m, cta_m)
                 toks = pl.ds(t_idx * tt, tt)
                 kr = pl.ds(split * steps_per_split * gps * g, steps_per_split * gps * g)
-                wrows = pl.ds(wg * tm, tm)
-
-                def store(acc):
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                    # stored transposed: the output is token-major [M, N], as the model wants it
-                    # (the transposed WGMMA layout holds each thread's values in pairs of rows: whole vectors there)
-                    out_smem.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(acc.astype(out_dtype),
-                                                                              plgpu.Layout.WGMMA_TRANSPOSED)
-                    plgpu.commit_smem()
-                    dst = out_gmem.at[split] if splits > 1 else out_gmem
-                    plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[toks, rows].at[:, wrows])
 
                 def context(run):
                     if after:  # the carry is the float32 sum in registers; each group's wgmma gets a fresh ACC
-                        store(run(plgpu.layout_cast(jnp.full((tm, tt), 0, jnp.float32), plgpu.Layout.WGMMA)))
+                        store(run(zeros()), split, n_idx, t_idx)
                         return
 
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tt), jnp.float32))
                     def _acc(acc_ref):
                         run(acc_ref)
-                        store(acc_ref[...])
+                        store(acc_ref[...], split, n_idx, t_idx)
 
                 def body(_, c_smem, s_smem, *refs):
-                    refs = refs if copy_x else refs[:-1] + (x_scratch, refs[-1])
-                    if asym:
-                        mn_smem, x_smem, acc_ref = refs
-                    else:
-                        x_smem, acc_ref = refs
-                    if cfg.probe == "skip_mma":
-                        return acc_ref
-                    row_layout = plgpu.Layout.WGMMA.reduce(1)
-
-                    def operand(j):  # group j's [tm, g] codes in wgmma's register layout, scaled unless `after`
-                        # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)
-                        if cfg.probe == "skip_convert":
-                            wq = plgpu.layout_cast(jnp.full((tm, g), 0, jnp.bfloat16), plgpu.Layout.WGMMA)
-                        elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
-                            wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
-                            wq = unperm_k(wq) if w.k_perm else wq
-                        elif loads == "wide":
-                            wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
-                            wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
-                        else:
-                            wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                            wq = _as_wgmma_layout(wq.astype(jnp.bfloat16))
-                        if not scaled or after:
-                            wv = wq
-                        else:
-                            sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
-                            wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
-                        if asym and scaled:  # (`after` is never asymmetric)
-                            off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
-                            wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
-                        if lhs_smem:  # (one buffer per group: a later group must not overwrite an unread one)
-                            a_smem[wg, j] = wv
-                            plgpu.commit_smem()
-                            wv = a_smem.at[wg, j]
-                        return wv
-
-                    def x_rows(j):  # group j's x^T [g, tt]: a transposed view of the K-minor tile
-                        return x_smem.at[:, pl.ds(j * g, g)].transpose((1, 0))
-
-                    if after:
-                        # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
-                        # and conversion overlap group j's wgmma; the first read waits for them all
-                        def group_mmas(*gaccs):
-                            for j, gacc in enumerate(gaccs):
-                                plgpu.wgmma(gacc, operand(j), x_rows(j))
-                            return tuple(gacc[...] for gacc in gaccs)
-
-                        parts = pl.run_scoped(group_mmas, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(gps)])
-                        for j, part in enumerate(parts):
-                            sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
-                            acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))  # an array here
-                        return acc_ref
-                    for j in range(gps):
-                        wv = operand(j)
-                        plgpu.wgmma(acc_ref, wv, x_rows(j))
-                        if cfg.wait_each_group or j == gps - 1:
-                            plgpu.wgmma_wait(0)
-                    return acc_ref
+                    return step(c_smem, s_smem, *smem_refs(refs))
 
                 args = [c_gmem.at[grp, rows, :], s_gmem.at[grp, rows]]
                 if asym:
@@ -444,11 +529,11 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_shape = (splits, xr, n) if splits > 1 else (xr, n)
+    out_shape = (parts, xr, n) if parts > 1 else (xr, n)
     f = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(min(num_sms * cfg.ctas_per_sm, work),),
+        grid=(stream_ctas if stream else min(num_sms * cfg.ctas_per_sm, work),),
         grid_names=("sm",),
         num_threads=wgs + 1,
         thread_name="wg",
@@ -464,7 +549,10 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     )
     args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)
-    out = out.sum(axis=0) if splits > 1 else out
+    if stream and parts > 1:
+        out = sum_stream_parts(out, written, tt, cta_m)
+    elif parts > 1:
+        out = out.sum(axis=0)
     return out[:m].astype(x.dtype)
 
 
@@ -497,7 +585,8 @@ def default_config(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 
 
 def candidate_configs(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> list[MgpuConfig]:
     """The configurations worth timing for one shape: CTA tiles of 64-256 rows, pipeline steps of 64-256 bytes of
-    codes per row, and the K splits that give the grid between one and about eight work items per SM."""
+    codes per row, and the K splits that give the grid between one and about eight work items per SM; for each tile
+    and step size, also the stream-K schedule."""
     tt = token_tile(m, g)
     row_bytes = g * bits // 8
     out = []
@@ -517,4 +606,7 @@ def candidate_configs(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int
                     if work >= num_sms * 2:
                         break
                 out.extend(ok_splits[:2])
+                cfg = MgpuConfig(tile_m=tile_m, tile_t=tt, groups=groups, steps=4, compute_wgs=wgs, stream_k=True)
+                if not check_config(k, n, g, bits, cfg):
+                    out.append(cfg)  # one run per SM over all tiles: no split to choose
     return out

@@ -225,3 +225,62 @@ def test_default_48_token_tile_lowers_for_a_tree_of_32(k, n, g, bits):
         txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
             sds((33, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt
+
+
+@pytest.mark.parametrize("tiles,steps,ctas", [(2, 8, 3), (4, 8, 3), (112, 16, 132), (32, 56, 132), (24, 16, 132),
+                                              (501, 8, 132), (3, 5, 7), (1, 1, 132)])
+def test_stream_plan_covers_every_step_once(tiles, steps, ctas):
+    """Each CTA's run of `per_cta` consecutive steps; together they cover every (tile, K step) once, and the slots
+    marked written are exactly the CTAs that touch each tile, in order."""
+    per_cta, used, written = mg.stream_plan(tiles, steps, ctas)
+    total = tiles * steps
+    assert used <= ctas and (used - 1) * per_cta < total <= used * per_cta
+    owner = np.arange(total) // per_cta  # the CTA that runs each global step
+    for t in range(tiles):
+        touching = np.unique(owner[t * steps:(t + 1) * steps])
+        assert list(touching) == list(range(touching[0], touching[0] + len(touching)))
+        assert list(np.flatnonzero(written[:, t])) == list(range(len(touching)))
+
+
+@pytest.mark.parametrize("m,g,bits,sym,cfg,sms", [
+    # 4 column tiles of 8 steps on 3 CTAs: tiles 0 and 3 have one writer, so slot 1 of theirs stays NaN (the
+    # interpreter's uninitialised memory) and must not reach the sum
+    (2, 32, 4, False, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, stream_k=True), 3),
+    (20, 32, 4, False, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, stream_k=True), 3),  # 2 token tiles
+    (5, 64, 4, True, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, stream_k=True, scale_after=True), 5),
+    (3, 32, 8, True, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, stream_k=True), 5),
+    (3, 32, 4, False, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=2, stream_k=True), 132),  # one tile a CTA
+])
+def test_stream_k_interpret_matches_reference(m, g, bits, sym, cfg, sms):
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    from lucebox_jax.quant import quantize_int8
+
+    rng = np.random.default_rng(m + g)
+    wd = rng.standard_normal((256, 256)).astype(np.float32)
+    w = quantize_int4(wd, group_size=g, symmetric=sym) if bits == 4 else quantize_int8(wd, group_size=g)
+    x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+    y = mg.mgpu_matmul(x, mg.repack(w), cfg, num_sms=sms, interpret=plgpu.InterpretGPUParams())
+    assert y.shape == (m, 256) and y.dtype == jnp.bfloat16
+    assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
+
+
+@pytest.mark.parametrize("k,n,g,bits,m,sym", [(4096, 28672, 128, 4, 1, True), (14336, 4096, 128, 4, 1, True),
+                                              (4096, 6144, 128, 4, 16, True), (4096, 4096, 32, 4, 1, False),
+                                              (4096, 128256, 32, 8, 1, True), (4096, 28672, 128, 4, 33, True)])
+def test_stream_k_lowers_for_h200(k, n, g, bits, m, sym):
+    """The stream-K schedule at the 8B shapes and the int8 head, on the load path each would run (perm where the
+    group allows, scale_after on symmetric int4), lowered for an abstract H200; and it is among the candidates."""
+    sds = jax.ShapeDtypeStruct
+    cfg = dataclasses.replace(mg.default_config(m, k, n, g, bits), split_k=1, stream_k=True,
+                              scale_after=sym and bits == 4, loads="perm")
+    assert mg.check_config(k, n, g, bits, cfg) is None
+    assert any(c.stream_k for c in mg.candidate_configs(m, k, n, g, bits))
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
+                      scales=sds((k // g, n), jnp.float16), offsets=None if sym else sds((k // g, n), jnp.float16),
+                      group_size=g, bits=bits, k_perm=mg.perm_ok(g, bits))
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+    assert mg.check_config(k, n, g, bits, dataclasses.replace(cfg, split_k=2))  # stream-K splits K itself
