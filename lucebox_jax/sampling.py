@@ -7,6 +7,7 @@ on (its seed, the position): the same seed gives the same output whatever else i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -144,26 +145,45 @@ def apply_repetition_penalty(logits, seen, penalty):
     return jnp.where(seen, pen, logits)
 
 
-def filter_logits(logits, temperature, top_k, top_p, min_p):
-    """Temperature, then top-k, top-p and min-p masks (each row its own values) -> masked scaled logits [B, V]."""
+def filter_logits(logits, temperature, top_k, top_p, min_p, *, sort: bool = True):
+    """Temperature, then top-k, top-p and min-p masks (each row its own values) -> masked scaled logits [B, V].
+    `sort=False` leaves out top-k and top-p, which need the [B, V] sort: only for rows that ask neither
+    (`needs_sort`); the result is the same then."""
     t = jnp.where(temperature > 0, temperature, 1.0)[:, None]
     x = logits / t
     v = x.shape[-1]
-    srt = -jnp.sort(-x, axis=-1)  # descending
-    k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
-    kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
-    x = jnp.where(x >= kth, x, _NEG)
-    # top-p over the top-k-filtered distribution: keep the smallest prefix whose mass reaches p
-    srt = jnp.where(jnp.arange(v)[None, :] < k[:, None], srt, _NEG)
-    probs = jax.nn.softmax(srt, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
-    keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
-    cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x >= cutoff, x, _NEG)
-    # min-p: drop tokens whose probability is below min_p times the top probability
-    thresh = srt[:, :1] + jnp.log(jnp.maximum(min_p[:, None], 1e-38))  # p_i >= min_p * p_max in logit space
+    if sort:
+        srt = -jnp.sort(-x, axis=-1)  # descending
+        k = jnp.where((top_k > 0) & (top_k < v), top_k, v)
+        kth = jnp.take_along_axis(srt, (k - 1)[:, None], axis=-1)
+        x = jnp.where(x >= kth, x, _NEG)
+        # top-p over the top-k-filtered distribution: keep the smallest prefix whose mass reaches p
+        srt = jnp.where(jnp.arange(v)[None, :] < k[:, None], srt, _NEG)
+        probs = jax.nn.softmax(srt, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly above each sorted entry
+        keep_sorted = (before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+        cutoff = jnp.min(jnp.where(keep_sorted, srt, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x >= cutoff, x, _NEG)
+    # min-p: drop tokens whose probability is below min_p times the top probability (the row's largest logit
+    # survives top-k and top-p, so no sort is needed for it)
+    thresh = jnp.max(x, axis=-1, keepdims=True) + jnp.log(jnp.maximum(min_p[:, None], 1e-38))
     x = jnp.where((min_p[:, None] > 0) & (x < thresh), _NEG, x)
     return x
+
+
+def needs_sort(rp, vocab: int):
+    """Whether any row asks for top-k or top-p (the filters that sort the vocabulary)."""
+    return jnp.any((rp.top_k > 0) & (rp.top_k < vocab)) | jnp.any(rp.top_p < 1.0)
+
+
+def by_temperature(rp, vocab: int, greedy, stochastic, *operands):
+    """One `lax.switch` over a batch's sampling mode: every row greedy -> greedy(*operands); some row sampled ->
+    stochastic(*operands, sort=...), with sort=False when no row asks for top-k or top-p, so that temperature-only
+    sampling (the OpenAI default) does not sort the [B, V] logits (a full sort per distribution: a speculative step
+    filters 2K + 1 of them)."""
+    mode = jnp.where(jnp.any(rp.temperature > 0), jnp.where(needs_sort(rp, vocab), 2, 1), 0)
+    return jax.lax.switch(mode, [greedy, functools.partial(stochastic, sort=False),
+                                 functools.partial(stochastic, sort=True)], *operands)
 
 
 def row_keys(keys, positions):
@@ -177,15 +197,15 @@ def sample(logits, rp: RowParams, positions, seen=None):
         logits = apply_repetition_penalty(logits, seen, rp.rep_penalty)
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def stochastic(_):
-        x = filter_logits(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p)
+    def stochastic(*, sort):
+        x = filter_logits(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p, sort=sort)
         keys = row_keys(rp.keys, positions)
         g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
         tok = jnp.argmax(x + g, axis=-1).astype(jnp.int32)
         return jnp.where(rp.temperature > 0, tok, greedy_tok)
 
-    # all-greedy batches skip the sort entirely
-    return jax.lax.cond(jnp.any(rp.temperature > 0), stochastic, lambda _: greedy_tok, None)
+    # all-greedy batches skip the filters entirely, temperature-only ones the sort
+    return by_temperature(rp, logits.shape[-1], lambda: greedy_tok, stochastic)
 
 
 def top_logprobs(logits, k: int):

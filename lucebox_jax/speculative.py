@@ -37,7 +37,7 @@ from .engine import MIN_CACHE, Engine, StepOut, pow2_at_least, stop_matrix
 from .errors import InvalidSamplingParamsError
 from .model import KVCache, Weights, forward
 from .ops import KernelSet
-from .sampling import RowParams, filter_logits
+from .sampling import RowParams, by_temperature, filter_logits
 
 TAG_DRAFT, TAG_ACCEPT, TAG_RESAMPLE = 1, 2, 3
 AUTO_K = (1, 2, 4, 8)
@@ -58,16 +58,16 @@ def draw(logits, rp: RowParams, positions):
     Greedy rows take the argmax (their q is never used)."""
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
-    def stochastic(_):
-        x = filter_logits(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p)
+    def stochastic(*, sort):
+        x = filter_logits(logits, rp.temperature, rp.top_k, rp.top_p, rp.min_p, sort=sort)
         q = jax.nn.softmax(x, axis=-1)
         keys = keys_at(rp.keys, positions[:, None], TAG_DRAFT)[:, 0]
         g = jax.vmap(lambda k: jax.random.gumbel(k, (logits.shape[-1],), jnp.float32))(keys)
         tok = jnp.argmax(x + g, axis=-1).astype(jnp.int32)
         return jnp.where(rp.temperature > 0, tok, greedy_tok), q
 
-    return jax.lax.cond(jnp.any(rp.temperature > 0), stochastic,
-                        lambda _: (greedy_tok, jnp.zeros(logits.shape, jnp.float32)), None)
+    return by_temperature(rp, logits.shape[-1], lambda: (greedy_tok, jnp.zeros(logits.shape, jnp.float32)),
+                          stochastic)
 
 
 # ---------------------------------------------------------------------------------------------------- acceptance
@@ -81,11 +81,13 @@ def _penalize(logits, seen, drafts, penalty):
     return jnp.where(seen_j, jnp.where(logits > 0, logits / p, logits * p), logits)
 
 
-def target_probs(logits, rp: RowParams):
-    """Filtered target distribution p [B, J, V] (temperature, top-k, top-p, min-p per row, as plain sampling)."""
+def target_probs(logits, rp: RowParams, *, sort: bool = True):
+    """Filtered target distribution p [B, J, V] (temperature, top-k, top-p, min-p per row, as plain sampling;
+    `sort=False` where no row asks for top-k or top-p)."""
     b, j, v = logits.shape
     rep = lambda a: jnp.repeat(a, j)  # noqa: E731
-    x = filter_logits(logits.reshape(b * j, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p))
+    x = filter_logits(logits.reshape(b * j, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p),
+                      sort=sort)
     return jax.nn.softmax(x.reshape(b, j, v), axis=-1)
 
 
@@ -124,14 +126,14 @@ def accept_tokens(logits, drafts, q, rp: RowParams, pos0, seen=None):
     n_g = jnp.sum(jnp.cumprod((drafts == arg[:, :k]).astype(jnp.int32), axis=1), axis=1)
     next_g = jnp.take_along_axis(arg, n_g[:, None], axis=1)[:, 0]
 
-    def stochastic(_):
-        p = target_probs(logits, rp)
+    def stochastic(*, sort):
+        p = target_probs(logits, rp, sort=sort)
         qd = jax.nn.one_hot(drafts, v, dtype=jnp.float32) if q is None else q
         n_s, next_s = accept_from_probs(p, drafts, qd, rp.keys, pos0)
         hot = rp.temperature > 0
         return jnp.where(hot, n_s, n_g), jnp.where(hot, next_s, next_g)
 
-    n, nxt = jax.lax.cond(jnp.any(rp.temperature > 0), stochastic, lambda _: (n_g, next_g), None)
+    n, nxt = by_temperature(rp, v, lambda: (n_g, next_g), stochastic)
     return n.astype(jnp.int32), nxt.astype(jnp.int32)
 
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .model import KVCache, _write_kv, forward
-from .sampling import filter_logits
+from .sampling import by_temperature, filter_logits
 
 TAG_TREE = 4
 
@@ -40,9 +40,8 @@ def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, dept
     -> (n accepted [B], path [B, depth] window indices (0 past n), next token [B]).
     An all-greedy batch takes `_walk_greedy` (a few [B, width] ops per depth); with any sampled row the whole batch
     takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every node."""
-    return jax.lax.cond(jnp.any(rp.temperature > 0),
-                        lambda: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth),
-                        lambda: _walk_greedy(logits, tokens, parent, width, depth))
+    return by_temperature(rp, logits.shape[-1], lambda: _walk_greedy(logits, tokens, parent, width, depth),
+                          lambda *, sort: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth, sort))
 
 
 def _walk_greedy(logits, tokens, parent, width: int, depth: int):
@@ -68,7 +67,7 @@ def _walk_greedy(logits, tokens, parent, width: int, depth: int):
     return n, jnp.stack(path, axis=1), arg[rows, cur]
 
 
-def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
+def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int, sort: bool = True):
     b = logits.shape[0]
     rows = jnp.arange(b)
     arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + N]
@@ -76,7 +75,7 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
     v = logits.shape[-1]
 
     def probs(cur):
-        x = filter_logits(logits[rows, cur], rp.temperature, rp.top_k, rp.top_p, rp.min_p)
+        x = filter_logits(logits[rows, cur], rp.temperature, rp.top_k, rp.top_p, rp.min_p, sort=sort)
         return jax.nn.softmax(x, axis=-1)
 
     cur = jnp.zeros((b,), jnp.int32)

@@ -28,6 +28,30 @@ def test_filter_matches_numpy(temp, top_k, top_p, min_p):
         np.testing.assert_array_equal(got[r], np_filter_reference(logits[r], temp, top_k, top_p, min_p))
 
 
+def test_temperature_only_rows_skip_the_sort_with_the_same_result():
+    """Rows that ask neither top-k nor top-p are filtered without sorting the vocabulary (`sort=False`): the same
+    logits, min-p included; `by_temperature` picks that branch only when no row of the batch asks for either, and
+    a sampled token is the same either way."""
+    from lucebox_jax.sampling import by_temperature, needs_sort
+
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.standard_normal((3, 200)).astype(np.float32) * 3)
+    for min_p in (0.0, 0.1):
+        args = (logits, jnp.full(3, 0.7), jnp.zeros(3, jnp.int32), jnp.ones(3), jnp.full(3, min_p))
+        np.testing.assert_array_equal(np.asarray(filter_logits(*args, sort=False)), np.asarray(filter_logits(*args)))
+    plain = [SamplingParams(temperature=0.7, seed=s) for s in range(3)]
+    mixed = plain[:2] + [SamplingParams(temperature=0.7, seed=2, top_p=0.9)]
+    greedy = [SamplingParams(temperature=0, seed=s) for s in range(3)]
+    pick = jax.jit(lambda rp: by_temperature(rp, 200, lambda: 0, lambda *, sort: 2 if sort else 1))
+    assert [int(pick(rp_of(ps))) for ps in (greedy, plain, mixed)] == [0, 1, 2]
+    assert not bool(needs_sort(rp_of(plain), 200)) and bool(needs_sort(rp_of([SamplingParams(top_k=5)]), 200))
+    assert not bool(needs_sort(rp_of([SamplingParams(top_k=200)]), 200))  # k = V keeps everything
+    pos = jnp.arange(3, dtype=jnp.int32)
+    tok = sample(logits, rp_of(plain), pos)  # temperature only: no sort
+    tok_sorted = sample(logits, rp_of([SamplingParams(temperature=0.7, seed=s, top_k=200) for s in range(3)]), pos)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(tok_sorted))  # (top_k = V: the sorting branch)
+
+
 def rp_of(params):
     return RowParams.from_params(params)
 
