@@ -17,6 +17,7 @@ B. (GPU, or --synthetic) Llama-3-8B-shaped random int4 weights: time of one veri
    draft token for layers:8 and a Llama-3.2-1B-shaped draft. From these, a PROJECTED speedup for assumed acceptance
    rates (random weights say nothing about acceptance; no acceptance is measured here).
 
+--profile adds, per configuration, the GPU kernels per target step of one prompt, plain and speculative.
 A global deadline (--budget seconds, default 330) skips what is left, so the run fits one < 6 minute GPU call.
 Results: $OUT/bench_spec.json (or /tmp/spec_bench/bench_spec.json) and markdown tables on stdout.
 """
@@ -137,7 +138,34 @@ def bench_embedded(args):
             save()
             log(f"{row['drafter']:>24} K={k} T={temp}: accepted {mean_acc:.2f}/step, {row['spec_tok_s']} vs "
                 f"{row['plain_tok_s']} tok/s, speedup x{row['speedup']}  hist {row['histogram']}")
+            if args.profile:
+                profile_one(llm, prompts[0], temp, args.max_tokens, spec, row)
+                save()
         llm.spec = None
+
+
+def profile_one(llm, prompt, temp, max_tokens, spec, row):
+    """GPU kernels of one prompt's generation, plain and speculative, per target step (a decode step, or a
+    speculative step: draft, verify, accept; the prompt's prefill is included, once): where a step that should cost
+    about one plain step plus a little spends its time on this launch-bound model."""
+    from bench_decode import print_profile, profile_summary
+    from gpu_trace import trace_gpu_events
+
+    from lucebox_jax import SamplingParams
+
+    sp = SamplingParams(temperature=temp, max_tokens=max_tokens, ignore_eos=True, seed=100)
+    for label, s in (("plain", None), ("speculative", spec)):
+        llm.spec = s
+        evs = trace_gpu_events(lambda: llm.generate(prompt, sp))
+        if not evs:
+            return
+        hist = llm.last_stats.get("speculative", {}).get("acceptance_histogram")
+        steps = int(sum(hist)) if s is not None and hist else max_tokens
+        prof = profile_summary(evs, max(steps, 1), None, top=12)
+        row.setdefault("profiles", {})[label] = prof
+        log(f"profile, {label} ({steps} target steps):")
+        print_profile(prof)
+    llm.spec = spec
 
 
 # ------------------------------------------------------------------------------------------------ B: synthetic 8B
@@ -320,6 +348,8 @@ def main():
     ap.add_argument("--syn-preset", default="llama3-8b", help="synthetic.PRESETS name (tiny: a CPU smoke test)")
     ap.add_argument("--syn-kernels", default=None,
                     help="kernel choices for part B, e.g. attention_tree=pallas (default: the backend's defaults)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU kernels per target step of one embedded-model prompt, plain and speculative, per config")
     ap.add_argument("--syn-profile", action="store_true",
                     help="part B: GPU kernels per step of each timed loop by category (JAX profiler)")
     ap.add_argument("--context", type=int, default=1024)
