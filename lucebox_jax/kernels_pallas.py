@@ -83,8 +83,10 @@ else:
                                         row_invariant=_invariant())
 
     @ops.register("attention_tree", "pallas", default_on=_on("attention_tree"))
-    def attention_tree_pallas_op(q, k, v, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None):
+    def attention_tree_pallas_op(q, k, v, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None,
+                                 in_cache=False):
         if not _pow2(q.shape[-1]) or _windowed(k, window):
             return kernels_xla.attention_tree_xla(q, k, v, n_visible, k_win, v_win, anc, scale=scale,
                                                   positions=positions, window=window)
-        return attention_tree(q, k, v, n_visible, k_win, v_win, anc, scale=float(scale), interpret=_interpret())
+        return attention_tree(q, k, v, n_visible, k_win, v_win, anc, scale=float(scale), interpret=_interpret(),
+                              in_cache=in_cache)

@@ -217,6 +217,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     tree_as_decode = tree is not None and quant.ROW_INVARIANT
     hidden = [None] * len(hidden_layers or ())
     by_rows = decode or as_decode or tree_as_decode
+    tree_extra = {"in_cache": True} if tree is not None and ops.accepts(
+        "attention_tree", kernels.attention_tree, "in_cache") else {}
     attn = ops.get("attention_decode" if by_rows else "attention_prefill",
                    kernels.attention_decode if by_rows else kernels.attention_prefill)
     for i, lw in enumerate(w.layers):
@@ -240,9 +242,9 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             lens = (positions + 1).reshape(b * t)
             o = attn(q.reshape(b * t, hq, hd), tree_rows(kc, k, start, tree), tree_rows(vc, v, start, tree), lens,
                      scale=scale, **extra).reshape(b, t, hq, hd)
-        elif tree is not None:
+        elif tree is not None:  # (the window was just written at slots start .. start + t - 1: a kernel may read it)
             o = ops.get("attention_tree", kernels.attention_tree)(q, kc, vc, start, k, v, tree[1], scale=scale,
-                                                                  positions=positions, window=window)
+                                                                  positions=positions, window=window, **tree_extra)
         elif decode:
             o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
         elif as_decode:  # B * T decode rows: row (b, t) reads cache row b up to position start + t

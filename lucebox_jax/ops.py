@@ -49,7 +49,9 @@ OP_SIGNATURES = {
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "
         "v_win [B, T2, Hkv, D], anc [B, T, T2] bool, *, scale, positions=None, window=None) -> [B, T, Hq, D]; "
         "a speculative tree's nodes: node t sees cache slots < n_visible[b] and window keys j where anc[b, t, j]; "
-        "with window=W (sliding-window layers) a node at positions[b, t] sees only cache slots > positions - W"
+        "with window=W (sliding-window layers) a node at positions[b, t] sees only cache slots > positions - W; "
+        "optional in_cache=True (the model's tree verify): the window's keys also sit in the cache at slots "
+        "n_visible[b] + j, where a kernel may read them"
     ),
 }
 

@@ -224,9 +224,9 @@ def _per_shard_tree(fn, mesh: Mesh, heads_split: bool):
     kv_spec = P(None, AXIS, None, None) if heads_split else P()
 
     @functools.wraps(fn)
-    def run(q, k, v, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None):
+    def run(q, k, v, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None, **extra):
         def body(*a):  # positions (sliding-window layers only) ride along as an argument, replicated
-            return fn(*a[:7], scale=scale, positions=a[7] if len(a) > 7 else None, window=window)
+            return fn(*a[:7], scale=scale, positions=a[7] if len(a) > 7 else None, window=window, **extra)
 
         args = (q, k, v, n_visible, k_win, v_win, anc) + (() if positions is None else (positions,))
         if heads_split and k.shape[1] % mesh.size:

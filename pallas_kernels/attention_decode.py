@@ -44,18 +44,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials):
+def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw):
+    win_ref, out_refs = (refs[0], refs[1:]) if nw else (None, refs)
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kb = row_ref[b]  # the cache row this query row reads
     length = jnp.minimum(len_ref[b], seq)
     start = sp * chunk
-    end = jnp.minimum(start + chunk, length)
+    end = jnp.minimum(start + chunk, jnp.minimum(length + 32 * nw, seq) if nw else length)
     n_blocks = jnp.maximum(end - start + bk - 1, 0) // bk
     rows = jnp.arange(bh)
     rmask = rows < g
     d = q_ref.shape[-1]
     q = plgpu.load(q_ref.at[b, h, pl.ds(0, bh), :], mask=rmask[:, None], other=0)
     q = (q.astype(jnp.float32) * qk_scale).astype(k_ref.dtype)
+    # a window of 32 * nw slots after `length`, visible per query row by its bits (a token tree's ancestors)
+    words = [plgpu.load(win_ref.at[b, h, pl.ds(0, bh), pl.ds(w, 1)], mask=rmask[:, None], other=0)
+             for w in range(nw)]  # [bh, 1] each
 
     def body(i, carry):
         acc, m_i, l_i = carry
@@ -64,10 +68,19 @@ def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *out_refs, g, bh, bk, chunk, 
         kmask = kpos < end
         k = plgpu.load(k_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [bh, bk], log2 units
-        s = jnp.where(kmask[None, :], s, _NEG)
+        if nw:
+            rel = jnp.clip(kpos - length, 0, 32 * nw - 1)[None, :]  # the slot's bit in the window
+            word = words[0] if nw == 1 else jnp.where(rel < 32, words[0], words[1])
+            seen = (kpos < length)[None, :] | ((kpos >= length)[None, :] & (((word >> (rel % 32)) & 1) == 1))
+            vis = seen & kmask[None, :]
+        else:
+            vis = kmask[None, :]
+        s = jnp.where(vis, s, _NEG)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
+        if nw:  # a row may see none of a block's keys (its m still -1e30, so exp2(0) = 1 there)
+            p = jnp.where(vis, p, 0.0)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         v = plgpu.load(v_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -123,9 +136,9 @@ def default_config(b: int, hkv: int, s: int, d: int) -> dict:
                      "row_invariant", "partials", "combine"),
 )
 def attention_decode(
-    q, k, v, lengths, rows=None, *, scale: float, block_k: int = 64, n_split: int | None = None, num_warps: int = 4,
-    num_stages: int = 3, interpret: bool = False, min_programs: int = 264, row_invariant: bool = False,
-    partials: bool = False, combine: str = "xla",
+    q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
+    num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
+    row_invariant: bool = False, partials: bool = False, combine: str = "xla",
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -134,7 +147,9 @@ def attention_decode(
     `attention_tree.py`): (acc [B, Hq, D], m [B, Hq], l [B, Hq]) in float32, where out = acc / l and m is the
     running maximum of the scores in log2 units (scale * log2(e) * q.k); a row that sees no key has l = 0.
     combine: how n_split > 1 partials are merged: "xla" (jnp; XLA makes two small fusions of it) or "kernel" (one
-    Pallas program per row and kv head). A row-invariant call always merges in jnp, in split order."""
+    Pallas program per row and kv head). A row-invariant call always merges in jnp, in split order.
+    win_mask [B, Hq, nw] int32 (nw 1 or 2): query row b, head h also sees the cache slots lengths[b] + j, j < 32 nw,
+    whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix."""
     bsz, hq, d = q.shape
     _, hkv, seq, _ = k.shape
     rows = jnp.arange(bsz, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
@@ -152,8 +167,11 @@ def attention_decode(
     n_split = _cdiv(seq, chunk)
     qg = q.reshape(bsz, hkv, g, d)
     lengths = lengths.astype(jnp.int32)
+    nw = 0 if win_mask is None else win_mask.shape[-1]
+    assert nw in (0, 1, 2), win_mask.shape
     kern = functools.partial(
-        _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split, partials=partials
+        _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split, partials=partials,
+        nw=nw,
     )
     if n_split == 1 and not partials:
         out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
@@ -170,7 +188,7 @@ def attention_decode(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="attention_decode",
-    )(lengths, rows, qg, k, v)
+    )(lengths, rows, qg, k, v, *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
     if n_split == 1 and not partials:
         return outs[0].reshape(bsz, hq, d)
     o, m, l = outs

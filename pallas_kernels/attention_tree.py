@@ -7,7 +7,10 @@ The prefix is the long part. It runs through `attention_decode` (Pallas-Triton) 
 extra query rows of their kv head: G x T rows per kv head, cut into tiles of at most `rows_per_tile` (the kernel
 holds one [rows, D] float32 accumulator per program), each tile a query row of its own that reads its batch row's
 cache (`rows=`). The kernel returns the softmax unnormalised (acc, max, sum). The window is a few dozen keys: a small
-float32 einsum, merged with the prefix by their maxima. XLA's einsum over the whole cache, which upcasts it to
+float32 einsum, merged with the prefix by their maxima. When the window's keys also sit in the cache right after the
+prefix (`in_cache=True`: the model's tree verify writes them there) and number at most 64, the kernel reads them
+there too, each node's ancestors passed as bits (`win_mask`), and returns the normalised output: one kernel and its
+split merge, nothing in jnp (the window path was about 5 XLA kernels a layer). XLA's einsum over the whole cache, which upcasts it to
 float32 and writes [T, S] scores per head, is what this replaces (`lucebox_jax.kernels_xla.attention_tree_xla`);
 `attention_tree_reference` is the plain-jnp twin.
 """
@@ -27,26 +30,41 @@ _NEG = -1e30
 
 
 def attention_tree(q, k, v, n_visible, k_win, v_win, anc, *, scale: float, rows_per_tile: int = 64,
-                   interpret: bool = False, **cfg):
+                   interpret: bool = False, in_cache: bool = False, **cfg):
     """q [B, T, Hq, D], k/v [B, Hkv, S, D] (the cache), n_visible [B] int32, k_win/v_win [B, T2, Hkv, D], anc
-    [B, T, T2] bool -> [B, T, Hq, D] (q.dtype). cfg: attention_decode's knobs (block_k, num_warps, ...)."""
+    [B, T, T2] bool -> [B, T, Hq, D] (q.dtype). cfg: attention_decode's knobs (block_k, num_warps, ...).
+    in_cache: the window's keys also sit in the cache at slots n_visible + j (the model's tree verify writes them
+    there): then, for a window of at most 64, the kernel reads them there too, each node's ancestors given as bits
+    (`win_mask`), and nothing is left to merge in jnp."""
     b, t, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
     n = g * t  # query rows per kv head, ordered (g, t)
     r = min(n, rows_per_tile)
     c = -(-n // r)  # tiles per kv head
-    qr = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, n, d)
-    qr = jnp.pad(qr, ((0, 0), (0, 0), (0, c * r - n), (0, 0)))
-    qr = qr.reshape(b, hkv, c, r, d).transpose(0, 2, 1, 3, 4).reshape(b * c, hkv * r, d)
-    cache_row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), c)
-    acc, m, l = attention_decode(qr, k, v, jnp.repeat(n_visible.astype(jnp.int32), c), cache_row, scale=scale,
-                                 partials=True, interpret=interpret, **cfg)
+
+    def tiles(a):  # [B, T, Hkv, G, ...] -> [B * C, Hkv * R, ...]: R query rows of one kv head a tile
+        a = a.transpose(0, 2, 3, 1, *range(4, a.ndim)).reshape(b, hkv, n, *a.shape[4:])
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, c * r - n)) + ((0, 0),) * (a.ndim - 3))
+        return a.reshape(b, hkv, c, r, *a.shape[3:]).swapaxes(1, 2).reshape(b * c, hkv * r, *a.shape[3:])
 
     def back(a):  # [B * C, Hkv * R, ...] -> [B, Hkv, G, T, ...]
         a = a.reshape(b, c, hkv, r, *a.shape[2:]).swapaxes(1, 2).reshape(b, hkv, c * r, *a.shape[2:])
         return a[:, :, :n].reshape(b, hkv, g, t, *a.shape[3:])
 
+    qr = tiles(q.reshape(b, t, hkv, g, d))
+    cache_row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), c)
+    lengths = jnp.repeat(n_visible.astype(jnp.int32), c)
+    t2 = anc.shape[-1]
+    if in_cache and t2 <= 64:
+        nw = -(-t2 // 32)
+        bits = jnp.pad(anc, ((0, 0), (0, 0), (0, 32 * nw - t2))).reshape(b, t, nw, 32).astype(jnp.uint32)
+        words = lax.bitcast_convert_type(jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1,
+                                                 dtype=jnp.uint32), jnp.int32)  # [B, T, nw]
+        win = tiles(jnp.broadcast_to(words[:, :, None, None], (b, t, hkv, g, nw)))
+        out = attention_decode(qr, k, v, lengths, cache_row, win, scale=scale, interpret=interpret, **cfg)
+        return back(out).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
+    acc, m, l = attention_decode(qr, k, v, lengths, cache_row, scale=scale, partials=True, interpret=interpret, **cfg)
     acc, m, l = back(acc), back(m), back(l)
     # the window's scores and sum as the flash kernels take them: operands in the cache's dtype (q . k products of
     # bf16 values are exact in float32), float32 accumulation, the probabilities rounded to v's dtype for p . v;

@@ -225,6 +225,32 @@ def test_attention_tree(b, t, hq, hkv, s, d, vis, dt, kw):
                                         scale=scale)) > 10 * TOL[dt]  # (the mask matters at these sizes)
 
 
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,vis,dt,kw", [
+    (1, 9, 8, 2, 96, 64, [37], jnp.float32, dict(block_k=32)),
+    (2, 33, 9, 3, 128, 64, [0, 71], jnp.bfloat16, dict(block_k=32)),  # SmolLM2 heads, a tree of 32 and its root
+    (2, 5, 4, 4, 64, 32, [40, 1], jnp.float32, dict(block_k=16, rows_per_tile=2)),  # several tiles, splits
+    (1, 40, 9, 3, 128, 64, [50], jnp.bfloat16, dict(block_k=32)),  # a window past 32: two mask words
+])
+def test_attention_tree_reads_its_window_from_the_cache(b, t, hq, hkv, s, d, vis, dt, kw):
+    """`in_cache=True`: the window's keys sit in the cache after the prefix (as the model's tree verify writes them),
+    each node's ancestors go to the flash-decoding kernel as bits, and one kernel does it all; the same result."""
+    q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, dt, t + s + 1)
+    n_visible, scale = jnp.asarray(vis, jnp.int32), d**-0.5
+    kc, vc = k, v
+    for r, n in enumerate(vis):  # the window at slots n .. n + t - 1 of row r
+        kc = kc.at[r, :, n:n + t].set(k_win[r].swapaxes(0, 1))
+        vc = vc.at[r, :, n:n + t].set(v_win[r].swapaxes(0, 1))
+    want = attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, scale=scale)
+    y = attention_tree(q, kc, vc, n_visible, k_win, v_win, anc, scale=scale, interpret=True, in_cache=True, **kw)
+    assert y.shape == q.shape and y.dtype == q.dtype
+    assert rel(y, want) < TOL[dt]
+    merged = attention_tree(q, kc, vc, n_visible, k_win, v_win, anc, scale=scale, interpret=True, **kw)
+    assert rel(y, merged) < TOL[dt]
+    # the window keys are read from the cache: other keys there change the result
+    wrong = attention_tree(q, k, v, n_visible, k_win, v_win, anc, scale=scale, interpret=True, in_cache=True, **kw)
+    assert rel(wrong, want) > 10 * TOL[dt]
+
+
 def test_attention_tree_registered():
     q, k, v, k_win, v_win, anc = _tree_inputs(2, 6, 9, 3, 40, 64, jnp.float32, 13)
     vis = jnp.asarray([40, 9], jnp.int32)
@@ -425,6 +451,23 @@ def test_gpu_attention(hq, hkv, d):
     start = jnp.asarray([0, 400, 963], jnp.int32)
     y = ops.get("attention_prefill", "pallas")(qp, k, v, start, scale=d**-0.5)
     assert rel(y, attention_prefill_reference(qp, k, v, start, scale=d**-0.5)) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("in_cache", [False, True])
+@pytest.mark.parametrize("t,hq,hkv,d", [(33, 9, 3, 64), (33, 32, 8, 128), (9, 32, 8, 128)])
+def test_gpu_attention_tree(t, hq, hkv, d, in_cache):
+    """Tree attention compiled: the window merged in jnp, or read from the cache with mask bits (`in_cache`)."""
+    b, s = 2, 1024
+    q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, jnp.bfloat16, t + hq)
+    vis = jnp.asarray([5, 900], jnp.int32)
+    kc, vc = k, v
+    for r, n in enumerate([5, 900]):
+        kc = kc.at[r, :, n:n + t].set(k_win[r].swapaxes(0, 1))
+        vc = vc.at[r, :, n:n + t].set(v_win[r].swapaxes(0, 1))
+    y = jax.jit(lambda *a: attention_tree(*a, scale=d**-0.5, in_cache=in_cache))(q, kc, vc, vis, k_win, v_win, anc)
+    assert rel(y, attention_tree_reference(q, k, v, vis, k_win, v_win, anc, scale=d**-0.5)) < TOL[jnp.bfloat16]
 
 
 # ------------------------------------------------------------------------------------------------ end to end

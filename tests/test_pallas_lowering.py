@@ -140,13 +140,16 @@ def test_attention_decode_lowers(b, hq, hkv, s, d, combine):
     assert txt.count("xla.gpu.triton") == (2 if combine == "kernel" else 1)  # the combine: a second kernel
 
 
+@pytest.mark.parametrize("in_cache", [False, True])
 @pytest.mark.parametrize("b,t,hq,hkv,s,d", [(1, 33, 9, 3, 2048, 64), (1, 33, 32, 8, 2048, 128),
-                                            (4, 9, 32, 8, 4096, 128)])
-def test_attention_tree_lowers(b, t, hq, hkv, s, d):
+                                            (4, 9, 32, 8, 4096, 128), (1, 17, 9, 3, 512, 64)])
+def test_attention_tree_lowers(b, t, hq, hkv, s, d, in_cache):
+    """in_cache: the window read from the cache with each node's ancestors as mask bits (one word up to 32 window
+    slots, two up to 64): one Triton kernel and its split merge, no window einsum."""
     args = (SDS((b, t, hq, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16),
             SDS((b,), jnp.int32), SDS((b, t, hkv, d), jnp.bfloat16), SDS((b, t, hkv, d), jnp.bfloat16),
             SDS((b, t, t), jnp.bool_))
-    txt = lower_cuda(lambda *a: attention_tree(*a, scale=d ** -0.5), *args)
+    txt = lower_cuda(lambda *a: attention_tree(*a, scale=d ** -0.5, in_cache=in_cache), *args)
     assert "xla.gpu.triton" in txt
 
 

@@ -131,6 +131,9 @@ def test_tree_verify_through_the_pallas_tree_kernel(eng):
     start = jnp.asarray([20, 13], jnp.int32)  # row 1 sees only its first 13 cached positions
     toks = jnp.asarray(np.random.default_rng(1).integers(1, CFG.vocab_size, (2, 7)), jnp.int32)
     want, cw = forward(CFG, KernelSet(), eng.weights, cache, toks, start, tree=(depth, anc))
+    from lucebox_jax import ops
+
+    assert ops.accepts("attention_tree", "pallas", "in_cache")  # the model hands it the window in the cache
     got, cg = forward(CFG, KernelSet(attention_tree="pallas"), eng.weights, cache, toks, start, tree=(depth, anc))
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
     for a, b in zip(cw.k + cw.v, cg.k + cg.v):  # (layers past the first hold keys made from its attention output)
