@@ -16,6 +16,7 @@ speculating throughout (no slot limit, no acceptance floor). Every configuration
 run is timed (compile excluded). Greedy outputs are compared with the plain run per request (on bfloat16 the
 verify can round differently from the decode step, so a few may differ; see README).
 
+`--profile`: one more run of each job under the profiler, its GPU kernels per scheduler decode call.
 `--tiny`: the synthetic tiny model (random int4 weights, an untrained eagle head, random prompts) at 2 and 4 slots,
 float32: a CPU check that the whole benchmark runs (numbers mean nothing there).
 A deadline (--budget seconds, default 220) skips what is left. Results: $OUT/bench_spec_batch.json (else
@@ -114,6 +115,35 @@ def setup(args):
 RESULTS: dict = {"device": None, "runs": [], "errors": [], "skipped": []}
 
 
+def profile_job(eng, ids, slots, steps, max_tokens, stops, spec, label):
+    """GPU kernels of one more run of the job, per scheduler decode call (plain or speculative): where a
+    speculating call's time goes against a plain one's; None off the GPU."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_decode import print_profile, profile_summary
+    from gpu_trace import trace_gpu_events
+
+    from lucebox_jax import SamplingParams
+    from lucebox_jax.scheduler import Scheduler, SlotRequest
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
+    max_len = -(-(max(len(p) for p in ids) + max_tokens) // 64) * 64
+    sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps, max_prefill_batch=min(8, slots),
+                      spec=spec)
+    reqs = [SlotRequest(i, p, sp, stops, max_tokens) for i, p in enumerate(ids)]
+    t = time.perf_counter()
+    evs = trace_gpu_events(lambda: [None for _ in sched.run(reqs)])
+    wall_ms = (time.perf_counter() - t) * 1e3
+    if not evs:
+        return None
+    calls = max(1, sched.stats["decode_calls"])
+    prof = profile_summary(evs, calls, wall_ms / calls, top=12)
+    prof["decode_calls"], prof["spec_calls"] = calls, sched.stats["spec_calls"]
+    log(f"profile, {label}: per decode call ({calls} calls, {sched.stats['spec_calls']} speculative; admissions "
+        f"included):")
+    print_profile(prof)
+    return prof
+
+
 def run_job(eng, ids, slots, steps, max_tokens, stops, spec=None):
     """One job over `ids` twice (compile, then timed); -> (token lists, seconds, compile seconds, spec stats)."""
     from lucebox_jax import SamplingParams
@@ -152,6 +182,7 @@ def main(argv=None):
                    "throughout (no slot limit, no acceptance floor): the raw cost or gain of speculation")
     p.add_argument("--tiny", action="store_true", help="CPU smoke configuration (random weights)")
     p.add_argument("--budget", type=float, default=220.0)
+    p.add_argument("--profile", action="store_true", help="GPU kernels per decode call of one more run of each job")
     args = p.parse_args(argv)
     out_dir = os.environ.get("OUT") or "/tmp/spec_batch_bench"
     os.makedirs(out_dir, exist_ok=True)
@@ -179,6 +210,8 @@ def main(argv=None):
         rows.append(rec)
         save(out_dir)
         log(f"S={slots} plain: {rec['tok_s']:.1f} tok/s ({n_tok} tokens, {base_s:.2f} s, compile {base_c:.1f} s)")
+        if args.profile:
+            rec["profile"] = profile_job(eng, ids, slots, steps, max_tokens, stops, None, f"S={slots} plain")
         for name, d in drafters.items():
             policies = [("default", None, args.min_accept)]
             if slots > DEFAULT_MAX_SLOTS:
@@ -203,6 +236,9 @@ def main(argv=None):
                 rec = {"slots": slots, "drafter": name, "policy": policy, "tok_s": m / s, "seconds": s,
                        "completion_tokens": m, "compile_s": c, "requests": len(ids),
                        "speedup": (m / s) / (n_tok / base_s), "greedy_equal": same, "spec": st}
+                if args.profile:
+                    rec["profile"] = profile_job(eng, ids, slots, steps, max_tokens, stops, spec,
+                                                 f"S={slots} {name} {policy}")
                 RESULTS["runs"].append(rec)
                 rows.append(rec)
                 st = st or {}

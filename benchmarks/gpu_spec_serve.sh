@@ -6,7 +6,8 @@
 # Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT, logs.tgz)
 # TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part (RI_TESTS=0 the row-invariance pytest alone); SPEC_EQ=1 adds
 # check_spec_equal.py under the mode; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
-# EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust.
+# EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
+# (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -32,7 +33,7 @@ if [ "${ROW_INV:-1}" = 1 ]; then
   fi
   for ri in ${RI_LEVELS-0 1}; do  # (RI_LEVELS="" runs none)
     LUCEBOX_ROW_INVARIANT=$ri timeout 200 python3 benchmarks/bench_spec_batch.py --model "$M" --slots 8 \
-      --drafters eagle --always --budget 120 > "$OUT/spec_batch_ri$ri.log" 2>&1
+      --drafters eagle --always --budget 120 ${BATCH_ARGS:-} > "$OUT/spec_batch_ri$ri.log" 2>&1
     mv "$OUT/bench_spec_batch.json" "$OUT/spec_batch_ri$ri.json" 2>/dev/null; grep -E "^\| 8 " "$OUT/spec_batch_ri$ri.log"
   done
 fi
