@@ -7,7 +7,8 @@
 # TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part (RI_TESTS=0 the row-invariance pytest alone); SPEC_EQ=1 adds
 # check_spec_equal.py under the mode; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
 # EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
-# (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py.
+# (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py; SPEC_FLAG_AB='f1;f2' times the
+# eagle chain under no XLA_FLAGS and under each setting given.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -46,6 +47,16 @@ if [ "${SPEC:-1}" = 1 ]; then
   timeout "$(( ${SPEC_SECONDS:-200} + 30 ))" python3 benchmarks/bench_spec.py --model "$M" \
     --drafters "${DRAFTERS:-eagle:$HEAD,ngram}" --ks 4 --tree 32 --syn-ks 4,8 --syn-trees 32 --budget "${SPEC_SECONDS:-200}" \
     --reserve 70 ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1; tail -30 "$OUT/spec.log"
+fi
+if [ -n "${SPEC_FLAG_AB:-}" ]; then
+  # the eagle chain (K = 4, greedy, 4 prompts) under each ';'-separated XLA_FLAGS setting, e.g. conditionals and
+  # loops inside CUDA graphs: '--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL'
+  IFS=';' read -ra FLAG_SETS <<< ";${SPEC_FLAG_AB}"
+  for i in "${!FLAG_SETS[@]}"; do
+    XLA_FLAGS="${FLAG_SETS[$i]}" timeout 150 python3 benchmarks/bench_spec.py --model "$M" --drafters eagle --ks 4 \
+      --tree 0 --temps 0 --no-synthetic --no-self-draft --budget 110 > "$OUT/spec_flags$i.log" 2>&1
+    echo "XLA_FLAGS=${FLAG_SETS[$i]}:"; grep -E "accepted .*speedup" "$OUT/spec_flags$i.log" | tail -2
+  done
 fi
 if [ "${SERVE:-1}" = 1 ]; then
   timeout "$(( ${SERVE_SECONDS:-100} + 60 ))" python3 benchmarks/bench_serve.py --model "$M" --clients "${CLIENTS:-8,32,128}" \
