@@ -29,9 +29,10 @@ fi
 # chains and scale_after: VARIANTS='{"probe":"skip_scale"};{"probe":"skip_convert"};{"scale_after":true}'; `chains` was removed in the seventh session)
 DEFAULT_VARIANTS='{"probe":"skip_x"};{"probe":"skip_mma"};{"probe":"skip_mma","steps":8};{"probe":"skip_mma","groups":4,"steps":2};{"probe":"skip_mma","split_k":2}'
 # STREAM=1 (tenth session, built on the CPU): the variants are the stream-K schedule on the tabled configuration, with
-# its own step size and with one group a step (finer runs); CASES then defaults to the four g128 shapes and the head
+# its own step size, with one group a step (finer runs), 6 steps in flight, and two CTAs an SM (2 steps each);
+# CASES then defaults to the four g128 shapes and the head
 if [ "${STREAM:-0}" = 1 ]; then
-  DEFAULT_VARIANTS='{"stream_k":true,"split_k":1};{"stream_k":true,"split_k":1,"groups":1};{"stream_k":true,"split_k":1,"steps":6}'
+  DEFAULT_VARIANTS='{"stream_k":true,"split_k":1};{"stream_k":true,"split_k":1,"groups":1};{"stream_k":true,"split_k":1,"steps":6};{"stream_k":true,"split_k":1,"ctas_per_sm":2,"steps":2}'
   CASES=${CASES:-gate_up down qkv o head}
 fi
 if [ "${SWEEP:-1}" = 1 ]; then
