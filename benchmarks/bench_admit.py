@@ -104,8 +104,8 @@ def main(argv=None):
             sync_ms = (time.perf_counter() - t0) * 1e3
             eng._timed_first = Engine._timed_first.__get__(eng)
             phases = {k: round(v * 1e3, 2) for k, v in timer.t.items()}
-            r = dict(group=p, prompt=n, ms=round(ms, 2), dispatch_ms=round(dispatch_ms, 2), ms_per_request=round(ms / p, 2),
-                     synced_ms=round(sync_ms, 2),
+            r = dict(group=p, prompt=n, ms=round(ms, 2), dispatch_ms=round(dispatch_ms, 2),
+                     ms_per_request=round(ms / p, 2), synced_ms=round(sync_ms, 2),
                      phases_ms=phases)
             if a.profile:
                 g = group()
@@ -113,7 +113,8 @@ def main(argv=None):
                 if evs:
                     r["profile"] = profile_summary(evs, 1, ms, top=12)
             rows.append(r)
-            print(f"{p:5} {n:6} {ms:9.2f} {dispatch_ms:8.2f} {ms / p:10.2f}  {phases} (synchronised: {sync_ms:.2f})", flush=True)
+            print(f"{p:5} {n:6} {ms:9.2f} {dispatch_ms:8.2f} {ms / p:10.2f}  {phases} (synchronised: {sync_ms:.2f})",
+                  flush=True)
             if "profile" in r:
                 print_profile(r["profile"])
     res = {"device": str(jax.devices()[0]), "model": a.model, "slots": a.slots, "max_len": a.max_len,

@@ -385,8 +385,9 @@ class Scheduler:
 
         A round: the last decode call's tokens reach the host and rows that hit a stop id or their budget free their
         slots; new requests are admitted; the next decode call is dispatched; then, while it runs on the device, the
-        admitted rows' first tokens are read, the caller's stop_check hooks (a server's streaming) run and the round's finished requests are yielded, so their
-        host work does not leave the device idle. A row a hook ends is retired one call later."""
+        admitted rows' first tokens are read, the caller's stop_check hooks (a server's streaming) run and the
+        round's finished requests are yielded, so their host work does not leave the device idle. A row a hook ends
+        is retired one call later."""
         it = iter(requests)
         exhausted = False
         waiting: collections.deque[SlotRequest] = collections.deque()
