@@ -164,6 +164,7 @@ class Finished:
 class _Active:
     req: SlotRequest
     ids: list[int]
+    checked: int = 0  # ids[:checked] hold no stop id (each round scans only its new tokens)
 
 
 class Scheduler:
@@ -341,10 +342,12 @@ class Scheduler:
     def _check(self, a: _Active) -> str | None:
         """Stop id or token budget (cheap, at once); the caller's stop_check runs in `_hooks`."""
         r = a.req
-        for j, t in enumerate(a.ids):
-            if t in r.stop_ids:
-                del a.ids[j + 1:]
-                return "stop"
+        if r.stop_ids:
+            for j in range(a.checked, len(a.ids)):
+                if a.ids[j] in r.stop_ids:
+                    del a.ids[j + 1:]
+                    return "stop"
+        a.checked = len(a.ids)
         if len(a.ids) >= r.max_new:
             del a.ids[r.max_new:]
             return "length"
