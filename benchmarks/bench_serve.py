@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--exit-on-finish", action="store_true", help="start the server with --exit-on-finish")
     p.add_argument("--engine-process", action="store_true",
                    help="start the server with --engine-process (the device loop in a process of its own)")
+    p.add_argument("--engine-process-ab", action="store_true",
+                   help="each level twice, in-process then --engine-process, against one offline baseline")
     p.add_argument("--clients-per-process", type=int, default=16,
                    help="client processes of this many clients each (0: all in this process)")
     p.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run; levels left out after")
@@ -102,13 +104,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(a, slots: int, out_dir: str, deadline: float):
+def start_server(a, slots: int, out_dir: str, deadline: float, engine_process: bool = False):
     port = free_port()
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--batch-size", str(slots),
            "--max-context", str(a.max_context), "--steps-per-call", str(a.steps_per_call), "--served-model-name",
            "bench", "--max-queue", "4096", "--warmup", a.warmup] + (["--model", a.model] if a.model else []) + (
-           ["--exit-on-finish"] if a.exit_on_finish else []) + (["--engine-process"] if a.engine_process else [])
-    logf = open(os.path.join(out_dir, f"server_{slots}.log"), "w")
+           ["--exit-on-finish"] if a.exit_on_finish else []) + (["--engine-process"] if engine_process else [])
+    logf = open(os.path.join(out_dir, f"server_{slots}{'_ep' if engine_process else ''}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     t0 = time.perf_counter()
     while time.time() < deadline:
@@ -202,8 +204,8 @@ def summarize(reqs, wall):
             "failed_requests": len(failed), "failures": failed[:5]}
 
 
-def bench_server_level(a, n, out_dir, deadline):
-    proc, port, startup = start_server(a, n, out_dir, deadline)
+def bench_server_level(a, n, out_dir, deadline, engine_process: bool = False):
+    proc, port, startup = start_server(a, n, out_dir, deadline, engine_process)
     t0 = time.perf_counter()
     try:
         prompts = workload(a, n)
@@ -316,43 +318,62 @@ def main(argv=None):
             log(f"clients={n}: skipped (budget)")
             result["levels"][str(n)] = {"skipped": "budget"}
             continue
-        log(f"clients={n}: starting a server with {n} slots ...")
-        try:
-            row, prompts = bench_server_level(a, n, out_dir, deadline)
-        except Exception as e:  # noqa: BLE001 - one level failing keeps the others
-            log(f"clients={n}: failed: {type(e).__name__}: {e}")
-            result["levels"][str(n)] = {"error": f"{type(e).__name__}: {e}"}
+        lv = result["levels"][str(n)] = {}
+        prompts = None
+        # (key, --engine-process): the server as asked, and with --engine-process-ab the other way too
+        modes = [("server", a.engine_process)] + ([("server_engine_process", True)] if a.engine_process_ab else [])
+        if a.engine_process_ab:
+            modes[0] = ("server", False)
+        for key, ep in modes:
+            if key != "server" and time.time() > deadline - 20:
+                lv[key] = {"skipped": "budget"}
+                continue
+            log(f"clients={n}: starting a server with {n} slots{' (--engine-process)' if ep else ''} ...")
+            try:
+                row, prompts = bench_server_level(a, n, out_dir, deadline, ep)
+            except Exception as e:  # noqa: BLE001 - one level failing keeps the others
+                log(f"clients={n}: failed: {type(e).__name__}: {e}")
+                lv[key] = {"error": f"{type(e).__name__}: {e}"}
+                save()
+                continue
+            lv[key] = row
+            log(f"clients={n}: {key} {row}")
             save()
-            continue
-        lv = result["levels"][str(n)] = {"server": row}
-        log(f"clients={n}: server {row}")
-        save()
-        if llm is not None:  # the ratio's denominator, even past the budget: a level without it says little (the
-            # H200's first server start took 161 of 170 s on 2026-12-04 and lost it); the row above is saved already
+        if llm is not None and prompts is not None:  # the ratio's denominator, even past the budget: a level
+            # without it says little (the H200's first server start took 161 of 170 s on 2026-12-04 and lost it)
             off = bench_offline(llm, a, n, prompts)
             lv["offline"] = off
-            lv["server_over_offline"] = round(row["tok_s"] / off["tok_s"], 3)
-            log(f"clients={n}: offline {off}; server / offline {lv['server_over_offline']}")
+            for key, _ in modes:
+                if "tok_s" in lv.get(key, {}):
+                    lv[f"{key}_over_offline"] = round(lv[key]["tok_s"] / off["tok_s"], 3)
+            log(f"clients={n}: offline {off}; over offline: "
+                f"{ {k: v for k, v in lv.items() if k.endswith('_over_offline')} }")
             save()
     result["wall_s"] = round(time.time() - t_start, 1)
     save()
     lines = ["| clients | server tok/s | offline tok/s | ratio | TTFT p50 / p99 ms | ITL p50 / p99 ms (per chunk) | "
              "TPOT p50 / p99 ms | tokens/chunk |", "|---|---|---|---|---|---|---|---|"]
     for n, lv in result["levels"].items():
-        s, o = lv.get("server"), lv.get("offline") or {}
-        if not s:
-            lines.append(f"| {n} | {lv} |  |  |  |  |  |  |")
-            continue
-        lines.append(f"| {n} | {s['tok_s']} | {o.get('tok_s', '-')} | {lv.get('server_over_offline', '-')} | "
-                     f"{fmt(s['ttft_p50_ms'])} / {fmt(s['ttft_p99_ms'])} | {fmt(s['itl_p50_ms'])} / "
-                     f"{fmt(s['itl_p99_ms'])} | {fmt(s['tpot_p50_ms'], 2)} / {fmt(s['tpot_p99_ms'], 2)} | "
-                     f"{s['tokens_per_chunk']} |" + (f" ({s['failed_requests']} requests failed)"
-                                                      if s.get("failed_requests") else ""))
+        o = lv.get("offline") or {}
+        for key in ("server", "server_engine_process"):
+            s = lv.get(key)
+            name = f"{n}{' (engine process)' if key != 'server' else ''}"
+            if key != "server" and s is None:
+                continue
+            if not s or "tok_s" not in s:
+                lines.append(f"| {name} | {s or lv} |  |  |  |  |  |  |")
+                continue
+            lines.append(f"| {name} | {s['tok_s']} | {o.get('tok_s', '-')} | {lv.get(f'{key}_over_offline', '-')} | "
+                         f"{fmt(s['ttft_p50_ms'])} / {fmt(s['ttft_p99_ms'])} | {fmt(s['itl_p50_ms'])} / "
+                         f"{fmt(s['itl_p99_ms'])} | {fmt(s['tpot_p50_ms'], 2)} / {fmt(s['tpot_p99_ms'], 2)} | "
+                         f"{s['tokens_per_chunk']} |" + (f" ({s['failed_requests']} requests failed)"
+                                                          if s.get("failed_requests") else ""))
     loops = ["| clients | side | wall in decode calls | wall in admissions (prefill) | slot occupancy | decode calls | "
              "admissions |", "|---|---|---|---|---|---|---|"]
     for n, lv in result["levels"].items():
-        for side, lp in (("server", (lv.get("server") or {}).get("server_loop")), ("offline",
-                                                                                  (lv.get("offline") or {}).get("loop"))):
+        for side, lp in (("server", (lv.get("server") or {}).get("server_loop")),
+                         ("engine process", (lv.get("server_engine_process") or {}).get("server_loop")),
+                         ("offline", (lv.get("offline") or {}).get("loop"))):
             if lp:
                 loops.append(f"| {n} | {side} | {lp['decode_share']} | {lp['admit_share']} | {lp['occupancy']} | "
                              f"{lp['decode_calls']} | {lp.get('prefill_calls', '-')} |")
@@ -361,7 +382,9 @@ def main(argv=None):
     md = (f"bench_serve on {result['device']}: {a.new_tokens} new tokens per request, prompts {a.prompt_min}-"
           f"{a.prompt_max} tokens, context {a.max_context}, {a.steps_per_call} steps per call, server slots = clients, "
           f"{a.clients_per_process or 'all'} clients per client process"
-          f"{', --exit-on-finish' if a.exit_on_finish else ''}{', --engine-process' if a.engine_process else ''}"
+          f"{', --exit-on-finish' if a.exit_on_finish else ''}"
+          f"{', in-process against --engine-process' if a.engine_process_ab else ''}"
+          f"{', --engine-process' if a.engine_process and not a.engine_process_ab else ''}"
           "\n\n" + "\n".join(lines) + "\n")
     with open(os.path.join(out_dir, "bench_serve.md"), "w") as f:
         f.write(md)

@@ -318,9 +318,9 @@ class Scheduler:
 
     def loop_stats(self) -> dict:
         """Where the host loop's time went so far: seconds in decode calls (dispatch until the host has their tokens;
-        the round's hooks and hand-back run inside it, overlapping the device) and in admissions (prefill and
-        insert), decode calls, and occupancy = the mean share of slots holding a request when a decode call starts
-        (rows that finish inside a call count as busy for all of it)."""
+        the round's first-token reads, hooks and hand-back run inside it, overlapping the device) and in admissions
+        (dispatching prefill, first token and insert), decode calls, and occupancy = the mean share of slots holding
+        a request when a decode call starts (rows that finish inside a call count as busy for all of it)."""
         st = dict(self.stats)
         calls = st.get("decode_calls", 0)
         return {"slots": self.slots, "decode_calls": calls, "decode_s": round(st.get("decode_s", 0.0), 4),
@@ -453,8 +453,8 @@ class Scheduler:
                 self.stats["busy_slot_calls"] += len(active)
                 retire[:] = False
             # the admitted rows' first tokens: their prefills run before the call just dispatched, so this waits for
-            # them only, while the device goes on into the decode call (a row done at its first token is done there)
-            t0 = time.perf_counter()
+            # them only, while the device goes on into the decode call (a row done at its first token is done there);
+            # like the hooks, this time counts inside the call's decode_s
             for slots, firsts in admitted:
                 firsts = np.asarray(firsts)
                 for s, t in zip(slots, firsts):
@@ -467,7 +467,6 @@ class Scheduler:
                         done_now.append(Finished(a.req, a.ids, why))
                         del active[s]
                         free.append(s)
-            self.stats["admit_s"] += time.perf_counter() - t0
             self._hooks(active, free, retire, done_now, hooked)  # on the host while the device decodes
             if done_now:
                 self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
