@@ -11,7 +11,8 @@ chunks (ITL per chunk, each chunk holding up to --steps-per-call tokens) and tim
 (TPOT). Per level: output tok/s over the level's wall time, TTFT / ITL / TPOT p50 and p99. Then, in this process, the
 same requests run through `Scheduler.run` with the same slots, context and steps per call (compile excluded; the
 median of --offline-reps runs, each listed in the JSON); the ratio server / offline is the serving overhead.
-Targets (issue 15): ratio >= 0.8 at 32 clients, TTFT p50 < 100 ms at 8.
+Targets (issue 15): ratio >= 0.8 at 32 clients, TTFT p50 < 100 ms at 8. `--engine-process-ab` runs each level's
+server twice, in-process and with `--engine-process`, against the one offline baseline.
 
 GPU, one call (< 4 minutes; the embedded model's GGUF in /tmp):
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_serve.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
