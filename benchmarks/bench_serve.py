@@ -12,7 +12,8 @@ chunks (ITL per chunk, each chunk holding up to --steps-per-call tokens) and tim
 same requests run through `Scheduler.run` with the same slots, context and steps per call (compile excluded; the
 median of --offline-reps runs, each listed in the JSON); the ratio server / offline is the serving overhead.
 Targets (issue 15): ratio >= 0.8 at 32 clients, TTFT p50 < 100 ms at 8. `--engine-process-ab` runs each level's
-server twice, in-process and with `--engine-process`, against the one offline baseline.
+server twice, in-process and with `--engine-process`, against the one offline baseline; `--lookahead` runs the
+scheduler's lookahead on both sides.
 
 GPU, one call (< 4 minutes; the embedded model's GGUF in /tmp):
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_serve.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -64,6 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--exit-on-finish", action="store_true", help="start the server with --exit-on-finish")
     p.add_argument("--engine-process", action="store_true",
                    help="start the server with --engine-process (the device loop in a process of its own)")
+    p.add_argument("--lookahead", action="store_true",
+                   help="the scheduler's lookahead on both sides: the server's --lookahead and the offline job's")
     p.add_argument("--engine-process-ab", action="store_true",
                    help="each level twice, in-process then --engine-process, against one offline baseline")
     p.add_argument("--clients-per-process", type=int, default=16,
@@ -110,7 +113,8 @@ def start_server(a, slots: int, out_dir: str, deadline: float, engine_process: b
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--batch-size", str(slots),
            "--max-context", str(a.max_context), "--steps-per-call", str(a.steps_per_call), "--served-model-name",
            "bench", "--max-queue", "4096", "--warmup", a.warmup] + (["--model", a.model] if a.model else []) + (
-           ["--exit-on-finish"] if a.exit_on_finish else []) + (["--engine-process"] if engine_process else [])
+           ["--exit-on-finish"] if a.exit_on_finish else []) + (["--engine-process"] if engine_process else []) + (
+           ["--lookahead"] if a.lookahead else [])
     logf = open(os.path.join(out_dir, f"server_{slots}{'_ep' if engine_process else ''}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     t0 = time.perf_counter()
@@ -271,7 +275,7 @@ def bench_offline(llm, a, n, prompts):
 
     def run(new):
         sched = Scheduler(eng, slots=n, max_len=a.max_context, steps_per_call=a.steps_per_call,
-                          max_prefill_batch=min(8, n))
+                          max_prefill_batch=min(8, n), lookahead=a.lookahead)
         c0, t0 = eng.compile_seconds, time.perf_counter()
         tokens = sum(len(f.token_ids) for batch in sched.run(reqs(new)) for f in batch)
         dt = time.perf_counter() - t0 - (eng.compile_seconds - c0)
@@ -383,7 +387,7 @@ def main(argv=None):
     md = (f"bench_serve on {result['device']}: {a.new_tokens} new tokens per request, prompts {a.prompt_min}-"
           f"{a.prompt_max} tokens, context {a.max_context}, {a.steps_per_call} steps per call, server slots = clients, "
           f"{a.clients_per_process or 'all'} clients per client process"
-          f"{', --exit-on-finish' if a.exit_on_finish else ''}"
+          f"{', --exit-on-finish' if a.exit_on_finish else ''}{', --lookahead (both sides)' if a.lookahead else ''}"
           f"{', in-process against --engine-process' if a.engine_process_ab else ''}"
           f"{', --engine-process' if a.engine_process and not a.engine_process_ab else ''}"
           "\n\n" + "\n".join(lines) + "\n")

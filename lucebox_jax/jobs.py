@@ -383,6 +383,7 @@ class JobConfig:
     defaults: dict = dataclasses.field(default_factory=dict)  # SamplingParams fields
     spec_max_slots: int | None = None  # with a drafter (LLM(draft=...)): no speculation above this many slots
     spec_min_accept: float | None = None  # a slot stops speculating below this acceptance (spec_batch.py)
+    lookahead: bool = False  # the scheduler dispatches each decode call before reading the last one's tokens
 
     def __post_init__(self):  # the Python API gets the same strict checks as the command line
         for name, lo in (("slots", 1), ("max_context", 2), ("steps_per_call", 1), ("spec_max_slots", 1)):
@@ -528,7 +529,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
 
         spec = BatchSpec.from_decoder(llm.spec, max_slots=cfg.spec_max_slots, min_accept=cfg.spec_min_accept)
     sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps,
-                      max_prefill_batch=min(8, slots), stop_check=stop_check, spec=spec)
+                      max_prefill_batch=min(8, slots), stop_check=stop_check, spec=spec, lookahead=cfg.lookahead)
     if spec is not None:
         log(f"speculative: {spec.describe()}" if sched.spec is not None else sched.spec_note)
     signals = _Signals()
@@ -672,7 +673,7 @@ def job_config_from_args(args) -> JobConfig:
     return JobConfig(input=args.input, output=args.output, token_ids=args.token_ids, ordered=args.ordered,
                      quiet=args.quiet, slots=args.batch_size, max_context=args.max_context,
                      steps_per_call=args.steps_per_call, seed=args.seed or 0, defaults=defaults,
-                     spec_max_slots=args.spec_max_slots)
+                     spec_max_slots=args.spec_max_slots, lookahead=bool(getattr(args, "lookahead", False)))
 
 
 def run_job_from_args(args) -> int:

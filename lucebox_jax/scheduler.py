@@ -15,7 +15,9 @@ sampling parameters (`RowParams` rows), generated-token count, token budget, sto
 3. the host reads the chunk's tokens [slots, steps], appends them to each request, retires finished requests (stop
    token or token budget) and frees their slots for step 1. The next call is dispatched before the slower host work
    of a round (the caller's `stop_check`: streaming, stop strings; the finished requests handed back), which then
-   runs while the device decodes.
+   runs while the device decodes. With `lookahead=True` the next call is dispatched even before the last one's
+   tokens are read (the device never waits for the host between calls; a request admitted in a round joins the call
+   after the one already in flight, so its first token reaches the host one call later).
 
 Sampling is per row and seeded per (seed, position) as in `sampling.py`, so a request's output does not depend on
 which slot it ran in or what else was in the batch.
@@ -165,6 +167,7 @@ class _Active:
     req: SlotRequest
     ids: list[int]
     checked: int = 0  # ids[:checked] hold no stop id (each round scans only its new tokens)
+    since: int = 0  # the first decode call (by dispatch order) this request's row is part of
 
 
 class Scheduler:
@@ -179,7 +182,7 @@ class Scheduler:
                  max_prefill_batch: int = 8, prefill_tokens: int = 8192,
                  stop_check: Callable[[SlotRequest, list[int]], bool] | None = None,
                  prefill_sizes: tuple[int, ...] | None = None, min_prefill_len: int = 0, spec=None,
-                 exit_on_finish: bool = False):
+                 exit_on_finish: bool = False, lookahead: bool = False):
         if slots < 1 or max_len < 2 or steps_per_call < 1:
             raise ValueError(f"bad scheduler shape: slots={slots}, max_len={max_len}, steps={steps_per_call}")
         self.engine = engine
@@ -207,6 +210,9 @@ class Scheduler:
         # with nothing waiting, leave a decode call as soon as a row finishes (a live server: the finished request's
         # client hears at once and its next request arrives sooner) instead of running the call's remaining steps
         self.exit_on_finish = exit_on_finish
+        # dispatch each decode call before reading the last one's tokens (vLLM's async scheduling): the device runs
+        # calls back to back while the host reads, admits and streams; a new request joins one call later
+        self.lookahead = lookahead
 
     # ------------------------------------------------------------------ device calls
     def _call(self, key, fn, *args, **kw):
@@ -397,17 +403,53 @@ class Scheduler:
         free = list(range(self.slots))
         active: dict[int, _Active] = {}
         retire = np.zeros(self.slots, bool)
-        pending = None  # (tokens of the call in flight [slots, steps] on the device, its dispatch time)
+        inflight: collections.deque = collections.deque()  # (tokens [slots, steps] on the device, dispatch time, seq)
+        seq = 0  # decode calls dispatched so far: a row's tokens count from call `_Active.since` on
+        ahead = self.lookahead and self.spec is None  # (a speculative call is read back at dispatch: no lookahead)
+        late: list[tuple[list[int], jax.Array]] = []  # lookahead: last round's admissions, first tokens unread
+
+        def dispatch():
+            nonlocal seq
+            # with requests waiting, come back as soon as a prefill group's worth of slots is free
+            exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
+                          else 1 if self.exit_on_finish else self.slots + 1)
+            t0 = time.perf_counter()
+            inflight.append((self._decode(retire, exit_after, active), t0, seq))
+            seq += 1
+            self.stats["busy_slot_calls"] += len(active)
+            retire[:] = False
+
+        def first_tokens(admitted, done_now, hooked):
+            for slots, firsts in admitted:
+                firsts = np.asarray(firsts)
+                for s, t in zip(slots, firsts):
+                    a = active[s]
+                    a.ids.append(int(t))  # (no token of a decode call is read for a row before its first)
+                    why = self._check(a)
+                    if why is None:
+                        hooked.append(s)
+                    else:
+                        done_now.append(Finished(a.req, a.ids, why))
+                        del active[s]
+                        free.append(s)
+
         while True:
             done_now: list[Finished] = []
             hooked: list[int] = []  # slots whose new tokens the stop_check hooks have not seen
             admitted: list[tuple[list[int], jax.Array]] = []  # (slots, their first tokens on the device)
-            if pending is not None:
-                buf = np.asarray(pending[0])  # waits for the call in flight
-                self.stats["decode_s"] += time.perf_counter() - pending[1]  # dispatch to tokens on the host
-                pending = None
+            if ahead and inflight and active:
+                dispatch()  # the next call goes out before the last one's tokens are read: no host gap between calls
+            if late:  # (computed before the call just dispatched)
+                first_tokens(late, done_now, hooked)
+                late = []
+            if inflight and (len(inflight) > 1 or not ahead or not active):
+                buf, t_sent, n = inflight.popleft()
+                buf = np.asarray(buf)  # waits for that call
+                self.stats["decode_s"] += time.perf_counter() - t_sent  # dispatch to tokens on the host
                 for s in list(active):
                     a = active[s]
+                    if a.since > n:  # admitted after call n was dispatched: its row there is not this request
+                        continue
                     new = buf[s][buf[s] >= 0]
                     if len(new):
                         a.ids.extend(int(t) for t in new)
@@ -442,37 +484,22 @@ class Scheduler:
                 admitted.append((slots, self._admit(group, slots)))
                 self.stats["admit_s"] += time.perf_counter() - t0
                 for s, r in zip(slots, group):
-                    active[s] = _Active(r, [])  # its first token is read once the next call is dispatched
+                    active[s] = _Active(r, [], since=seq)  # its first token is read once a later call is dispatched
                     retire[s] = False
-            if active:
-                # with requests waiting, come back as soon as a prefill group's worth of slots is free
-                exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
-                              else 1 if self.exit_on_finish else self.slots + 1)
-                t0 = time.perf_counter()
-                pending = (self._decode(retire, exit_after, active), t0)
-                self.stats["busy_slot_calls"] += len(active)
-                retire[:] = False
-            # the admitted rows' first tokens: their prefills run before the call just dispatched, so this waits for
-            # them only, while the device goes on into the decode call (a row done at its first token is done there);
-            # like the hooks, this time counts inside the call's decode_s
-            for slots, firsts in admitted:
-                firsts = np.asarray(firsts)
-                for s, t in zip(slots, firsts):
-                    a = active[s]
-                    a.ids.append(int(t))
-                    why = self._check(a)
-                    if why is None:
-                        hooked.append(s)
-                    else:
-                        done_now.append(Finished(a.req, a.ids, why))
-                        del active[s]
-                        free.append(s)
+            if active and not inflight:
+                dispatch()
+                # the admitted rows' first tokens: their prefills run before the call just dispatched, so this waits
+                # for them only, while the device goes on into the decode call (a row done at its first token is done
+                # there); like the hooks, this time counts inside the call's decode_s
+                first_tokens(admitted, done_now, hooked)
+            else:  # lookahead: a call is in flight ahead of these rows' prefills; read them next round
+                late = admitted
             self._hooks(active, free, retire, done_now, hooked)  # on the host while the device decodes
             if done_now:
                 self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
                 self.stats["requests"] += len(done_now)
                 yield done_now
-            if pending is None and not active and exhausted and not waiting:
+            if not inflight and not active and exhausted and not waiting:
                 return
 
     # ------------------------------------------------------------------ compiling ahead of traffic

@@ -179,3 +179,24 @@ def test_read_input_and_scan_output_units(tmp_path):
     ids, lines = scan_output(str(o))
     assert ids == {'"a"'} and lines == {3, 4}
     assert o.read_text().endswith("garbage\n")  # torn tail cut off
+
+
+def test_lookahead_job_writes_the_same_records(tmp_path, tiny_llm):
+    """`--lookahead` (JobConfig.lookahead): the same records, stop strings and seeded draws included, as without it;
+    and the command line sets it."""
+    import argparse
+
+    from lucebox_jax.jobs import job_config_from_args
+
+    rows = requests(7) + [{"id": "s", "prompt": "alpha 1", "max_tokens": 8, "stop": ["a"]},
+                          {"id": "t", "prompt": "once upon a time", "temperature": 1.0, "seed": 3, "max_tokens": 8}]
+    job(tmp_path, tiny_llm, rows, out="plain.jsonl", token_ids=True)
+    job(tmp_path, tiny_llm, rows, out="ahead.jsonl", token_ids=True, lookahead=True)
+    strip = lambda rs: sorted((r["id"], r.get("text"), r.get("token_ids"), r.get("finish_reason")) for r in rs)  # noqa: E731
+    assert strip(read_out(tmp_path / "ahead.jsonl")) == strip(read_out(tmp_path / "plain.jsonl"))
+    assert len(read_out(tmp_path / "ahead.jsonl")) == len(rows)
+    args = argparse.Namespace(prompt=None, output="o.jsonl", input="i.jsonl", batch_size=None, steps_per_call=None,
+                              max_context=None, spec_max_slots=None, draft=None, max_tokens=8, temperature=0.0,
+                              top_k=0, top_p=1.0, min_p=0.0, repeat_penalty=1.0, stop=None, seed=0, token_ids=False,
+                              ordered=False, quiet=True, lookahead=True)
+    assert job_config_from_args(args).lookahead

@@ -229,3 +229,53 @@ def test_exit_on_finish_ends_the_call_when_a_row_finishes(tiny_llm, greedy_case,
     # default: 15 steps of request 2 in calls of 4, 4, 4, 3 (request 6 rides in the first); exit_on_finish: the
     # first call ends after 2 steps, when request 6 finishes, then 13 steps take 4 more calls
     assert sched.stats["decode_calls"] == (5 if exit_on_finish else 4)
+
+
+def test_lookahead_dispatches_ahead_with_the_same_results(tiny_llm, greedy_case):
+    """`lookahead=True`: each decode call is dispatched before the last one's tokens are read (the hook that sees
+    call N's tokens runs with call N + 1 already dispatched), and with refills, stop ids, a row retired by the host
+    and seeded sampling the results are those without it (rows admitted after a call went out skip its tokens)."""
+    prompts, params, ref = greedy_case
+    kw = dict(slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2)
+    stop_tok = ref[2][3]
+    reqs = ([_req(i, p, dataclasses.replace(sp, seed=0), tiny_llm) for i, (p, sp) in enumerate(zip(prompts, params))]
+            + [_req("stop", prompts[2], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, seed=0,
+                                                       stop_token_ids=[stop_tok]), tiny_llm)]
+            + [_req(f"t{i}", prompts[i], SamplingParams(temperature=0.9, max_tokens=10, ignore_eos=True, seed=i),
+                    tiny_llm) for i in (1, 3)])
+    check = lambda r, ids: r.key == 5 and len(ids) >= 6  # noqa: E731 - a host-side stop
+    runs = {}
+    for look in (False, True):
+        sched = Scheduler(tiny_llm.engine, stop_check=check, lookahead=look, **kw)
+        runs[look] = {f.request.key: (f.token_ids, f.finish_reason) for batch in sched.run(reqs) for f in batch}
+    assert runs[True] == runs[False]
+    assert [runs[True][i][0] for i in (0, 1, 2, 3, 4, 6)] == [ref[i] for i in (0, 1, 2, 3, 4, 6)]
+    assert runs[True]["stop"][1] == "stop" and runs[True]["stop"][0][-1] == stop_tok
+    assert runs[True][5][1] == "check" and runs[True][5][0] == ref[5][: len(runs[True][5][0])]
+    for look in (False, True):  # the order of dispatches and reads of the calls' tokens
+        events = []
+        sched = Scheduler(tiny_llm.engine, lookahead=look, **kw)
+        inner = sched._decode
+
+        class Tokens:  # a call's token buffer that logs when the host reads it
+            def __init__(self, buf, n):
+                self.buf, self.n = buf, n
+
+            def __array__(self, dtype=None, copy=None):
+                events.append(("read", self.n))
+                return np.asarray(self.buf)
+
+        def decode(*a, **k):
+            events.append(("dispatch", sched.stats["decode_calls"]))
+            return Tokens(inner(*a, **k), sched.stats["decode_calls"] - 1)
+
+        sched._decode = decode
+        got = {f.request.key: f for batch in sched.run([_req(2, prompts[2], dataclasses.replace(params[2], seed=0),
+                                                             tiny_llm)]) for f in batch}
+        assert got[2].token_ids == ref[2]
+        n = sum(e[0] == "dispatch" for e in events)
+        assert n >= 3
+        if look:  # call k + 1 goes out before call k's tokens are read
+            assert events[:5] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2), ("read", 1)]
+        else:
+            assert events[:4] == [("dispatch", 0), ("read", 0), ("dispatch", 1), ("read", 1)]

@@ -32,6 +32,10 @@ def add_serve_arguments(p):
     g.add_argument("--exit-on-finish", action="store_true",
                    help="end a decode call as soon as a request finishes, not after --steps-per-call steps (its "
                         "client hears sooner and sends its next request sooner; more, shorter calls)")
+    g.add_argument("--lookahead", action="store_true",
+                   help="dispatch each decode call before reading the last one's tokens, so the device never waits "
+                        "for the host between calls; a new request joins one call later (--serve and --input jobs; "
+                        "not measured yet; off)")
     g.add_argument("--engine-process", action="store_true",
                    help="run the model and its device loop in a process of their own, so the HTTP side does not "
                         "share one interpreter lock with them (not measured yet; off by default)")
@@ -114,7 +118,8 @@ def run_serve_from_args(args) -> int:
 def loop_kwargs(args, steps: int) -> dict:
     """EngineLoop's settings from the command line (the slot count may be None: `start_engine_loop` resolves it)."""
     return dict(slots=args.batch_size, steps_per_call=steps, max_queue=args.max_queue,
-                exit_on_finish=args.exit_on_finish, spec_max_slots=getattr(args, "spec_max_slots", None))
+                exit_on_finish=args.exit_on_finish, lookahead=getattr(args, "lookahead", False),
+                spec_max_slots=getattr(args, "spec_max_slots", None))
 
 
 def start_engine_loop(llm_kwargs: dict, loop_kw: dict, warmup: str | None):

@@ -102,7 +102,7 @@ class EngineLoop:
     """Owns `llm` and one `Scheduler` of `slots` x `max_len`; `start()` runs the device thread."""
 
     def __init__(self, llm, slots: int, max_len: int, steps_per_call: int, max_queue: int = 256,
-                 max_prefill_batch: int = 8, spec=None, exit_on_finish: bool = False):
+                 max_prefill_batch: int = 8, spec=None, exit_on_finish: bool = False, lookahead: bool = False):
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.slots = slots
@@ -113,7 +113,7 @@ class EngineLoop:
         # requests are checked against max_len; the cache is rounded up to whole 64-token blocks (as jobs.py does)
         self._sched_kw = dict(slots=slots, max_len=-(-max_len // 64) * 64, steps_per_call=steps_per_call,
                               max_prefill_batch=min(max_prefill_batch, slots), spec=spec,  # spec: spec_batch
-                              exit_on_finish=exit_on_finish)
+                              exit_on_finish=exit_on_finish, lookahead=lookahead)
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self._main, name="lucebox-device", daemon=True)
         self.stats = collections.Counter()
