@@ -396,7 +396,9 @@ class Scheduler:
         slots; new requests are admitted; the next decode call is dispatched; then, while it runs on the device, the
         admitted rows' first tokens are read, the caller's stop_check hooks (a server's streaming) run and the
         round's finished requests are yielded, so their host work does not leave the device idle. A row a hook ends
-        is retired one call later."""
+        is retired one call later. With `lookahead` a round starts by dispatching the next call, then reads the one
+        before it: rows admitted in a round join the call after the one in flight and read their first tokens in the
+        next round."""
         it = iter(requests)
         exhausted = False
         waiting: collections.deque[SlotRequest] = collections.deque()
