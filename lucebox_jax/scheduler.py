@@ -207,6 +207,7 @@ class Scheduler:
         extra = self.spec.k if self.spec else 0
         self.cache_len = max_len + (max(extra, quant.ROW_INVARIANT_CACHE_MARGIN) if quant.ROW_INVARIANT else extra)
         self._spec_on = np.zeros(slots, bool)  # host copy of state.spec.on
+        self._spec_on_dev = None  # the last speculative call's state.spec.on, read once that call's tokens are in
         # with nothing waiting, leave a decode call as soon as a row finishes (a live server: the finished request's
         # client hears at once and its next request arrives sooner) instead of running the call's remaining steps
         self.exit_on_finish = exit_on_finish
@@ -232,6 +233,7 @@ class Scheduler:
         """Prefill `group` into `slots`; returns their first tokens [P >= len(group)] on the device. Nothing here waits
         for the device: the caller dispatches the next decode call before it reads them."""
         eng = self.engine
+        self._spec_flags()  # before the insert donates the state that holds the last call's flags
         n = len(group)
         p = next((x for x in self.prefill_sizes if x >= n), pow2_at_least(n))
         reqs = group + [group[-1]] * (p - n)
@@ -295,11 +297,18 @@ class Scheduler:
                           jnp.asarray(slot_ids, jnp.int32), jnp.asarray([x[-1] for x in prompts], jnp.int32),
                           jnp.ones((p,), bool))
         self.state = self.state.replace(spec=rows)
-        self._spec_on[slot_ids] = True
+        self._spec_on[slot_ids] = True  # (brought up to date at the top of `_admit`)
+
+    def _spec_flags(self) -> np.ndarray:
+        """The host copy of which slots speculate, brought up to date with the last speculative call."""
+        if self._spec_on_dev is not None:
+            self._spec_on = np.array(self._spec_on_dev)
+            self._spec_on_dev = None
+        return self._spec_on
 
     def _decode(self, retire: np.ndarray, exit_after: int, active=()) -> jax.Array:
         eng = self.engine
-        if self.spec is not None and any(self._spec_on[s] for s in active):
+        if self.spec is not None and any(self._spec_flags()[s] for s in active):
             return self._decode_spec(retire, exit_after)
         key = ("chunk", self.slots, self.cache_len, self.steps_per_call, self.state.stop_ids.shape[1])
         self.state, buf = self._call(key, decode_chunk, eng.cfg, eng.kernels, eng.weights, self.state,
@@ -319,7 +328,9 @@ class Scheduler:
                                      k=sp.k)
         self.stats["decode_calls"] += 1
         self.stats["spec_calls"] += 1
-        self._spec_on = np.array(self.state.spec.on)  # (waits for the call: its rows' speculation switches)
+        # its rows' speculation switches: read in the next round, when the call has finished (before an insert or
+        # the next call donates this state), so the host's work of this round overlaps the call
+        self._spec_on_dev = self.state.spec.on
         return buf
 
     def loop_stats(self) -> dict:

@@ -100,6 +100,22 @@ def test_policy_slot_limit_and_acceptance_floor(tiny_llm, case):
     assert abs(expected_tokens(a, 4) - 1.8) < 1e-6 and break_even_acceptance(4, 1.5) > 1
 
 
+def test_speculative_call_is_not_read_back_at_dispatch(tiny_llm, case):
+    """A speculative call's per-slot switches are read in the next round, not when it is dispatched (that read waited
+    for the whole call before the round's hooks could run); they are read before anything donates that state."""
+    prompts, maxes, _ = case
+    sched = Scheduler(tiny_llm.engine, slots=3, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2,
+                      spec=BatchSpec(build("ngram", tiny_llm.engine), 2, min_accept=0.0))
+    reqs = _requests(tiny_llm, prompts[:2], maxes[1:3])
+    sched._admit(reqs, [0, 1])
+    sched._decode(np.zeros(3, bool), 4, active=(0, 1))
+    assert sched.stats["spec_calls"] == 1 and sched._spec_on_dev is not None  # not read yet
+    pending = sched._spec_on_dev
+    sched._admit(_requests(tiny_llm, prompts[2:3], maxes[3:4]), [2])  # an insert: the flags are read before it
+    assert sched._spec_on_dev is None and list(sched._spec_flags()) == [True, True, True]
+    assert pending.is_deleted()  # (that state went to the insert)
+
+
 def test_seeded_sampling_independent_of_neighbours(tiny_llm):
     prompts = _prompts(5, seed=2)
     spec = BatchSpec(build("ngram", tiny_llm.engine), 3, min_accept=0.0)
