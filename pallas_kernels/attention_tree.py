@@ -10,7 +10,7 @@ cache (`rows=`). The kernel returns the softmax unnormalised (acc, max, sum). Th
 float32 einsum, merged with the prefix by their maxima. When the window's keys also sit in the cache right after the
 prefix (`in_cache=True`: the model's tree verify writes them there) and number at most 64, the kernel reads them
 there too, each node's ancestors passed as bits (`win_mask`), and returns the normalised output: one kernel and its
-split merge, nothing in jnp (the window path was about 5 XLA kernels a layer). XLA's einsum over the whole cache,
+split merge, nothing in jnp (no window einsum, softmax pieces and merge in XLA). XLA's einsum over the whole cache,
 which upcasts it to float32 and writes [T, S] scores per head, is what this replaces
 (`lucebox_jax.kernels_xla.attention_tree_xla`); `attention_tree_reference` is the plain-jnp twin.
 """
