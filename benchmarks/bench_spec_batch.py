@@ -122,14 +122,7 @@ def profile_job(eng, ids, slots, steps, max_tokens, stops, spec, label):
     from bench_decode import print_profile, profile_summary
     from gpu_trace import trace_gpu_events
 
-    from lucebox_jax import SamplingParams
-    from lucebox_jax.scheduler import Scheduler, SlotRequest
-
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
-    max_len = -(-(max(len(p) for p in ids) + max_tokens) // 64) * 64
-    sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps, max_prefill_batch=min(8, slots),
-                      spec=spec)
-    reqs = [SlotRequest(i, p, sp, stops, max_tokens) for i, p in enumerate(ids)]
+    sched, reqs = make_job(eng, ids, slots, steps, max_tokens, stops, spec)
     t = time.perf_counter()
     evs = trace_gpu_events(lambda: [None for _ in sched.run(reqs)])
     wall_ms = (time.perf_counter() - t) * 1e3
@@ -144,19 +137,24 @@ def profile_job(eng, ids, slots, steps, max_tokens, stops, spec, label):
     return prof
 
 
-def run_job(eng, ids, slots, steps, max_tokens, stops, spec=None):
-    """One job over `ids` twice (compile, then timed); -> (token lists, seconds, compile seconds, spec stats)."""
+def make_job(eng, ids, slots, steps, max_tokens, stops, spec=None):
+    """A scheduler for the job and its greedy requests."""
     from lucebox_jax import SamplingParams
     from lucebox_jax.scheduler import Scheduler, SlotRequest
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, seed=0)
     max_len = -(-(max(len(p) for p in ids) + max_tokens) // 64) * 64
+    sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps, max_prefill_batch=min(8, slots),
+                      spec=spec)
+    return sched, [SlotRequest(i, p, sp, stops, max_tokens) for i, p in enumerate(ids)]
+
+
+def run_job(eng, ids, slots, steps, max_tokens, stops, spec=None):
+    """One job over `ids` twice (compile, then timed); -> (token lists, seconds, compile seconds, spec stats)."""
     c0 = eng.compile_seconds
     out, secs, stats = None, 0.0, None
     for _ in range(2):
-        sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps, max_prefill_batch=min(8, slots),
-                          spec=spec)
-        reqs = [SlotRequest(i, p, sp, stops, max_tokens) for i, p in enumerate(ids)]
+        sched, reqs = make_job(eng, ids, slots, steps, max_tokens, stops, spec)
         c1 = eng.compile_seconds
         t = time.perf_counter()
         got = {f.request.key: f.token_ids for batch in sched.run(reqs) for f in batch}
