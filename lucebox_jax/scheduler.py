@@ -432,19 +432,24 @@ class Scheduler:
             self.stats["busy_slot_calls"] += len(active)
             retire[:] = False
 
+        def settle(s, new, done_now, hooked):
+            """Slot s's request after `new` tokens reached it: finished (slot freed; the device has it done too) or,
+            with new tokens, one for the hooks."""
+            a = active[s]
+            a.ids.extend(new)
+            why = self._check(a)
+            if why is not None:
+                done_now.append(Finished(a.req, a.ids, why))
+                del active[s]
+                free.append(s)
+                retire[s] = False
+            elif new:
+                hooked.append(s)
+
         def first_tokens(admitted, done_now, hooked):
             for slots, firsts in admitted:
-                firsts = np.asarray(firsts)
-                for s, t in zip(slots, firsts):
-                    a = active[s]
-                    a.ids.append(int(t))  # (no token of a decode call is read for a row before its first)
-                    why = self._check(a)
-                    if why is None:
-                        hooked.append(s)
-                    else:
-                        done_now.append(Finished(a.req, a.ids, why))
-                        del active[s]
-                        free.append(s)
+                for s, t in zip(slots, np.asarray(firsts)):
+                    settle(s, [int(t)], done_now, hooked)  # (no decode call's token is read for a row before it)
 
         while True:
             done_now: list[Finished] = []
@@ -460,20 +465,9 @@ class Scheduler:
                 buf = np.asarray(buf)  # waits for that call
                 self.stats["decode_s"] += time.perf_counter() - t_sent  # dispatch to tokens on the host
                 for s in list(active):
-                    a = active[s]
-                    if a.since > n:  # admitted after call n was dispatched: its row there is not this request
+                    if active[s].since > n:  # admitted after call n was dispatched: its row there is not this request
                         continue
-                    new = buf[s][buf[s] >= 0]
-                    if len(new):
-                        a.ids.extend(int(t) for t in new)
-                    why = self._check(a)
-                    if why is not None:
-                        done_now.append(Finished(a.req, a.ids, why))
-                        del active[s]
-                        free.append(s)
-                        retire[s] = False  # finished on the device too
-                    elif len(new):
-                        hooked.append(s)
+                    settle(s, [int(t) for t in buf[s][buf[s] >= 0]], done_now, hooked)
             while not exhausted and len(waiting) < self.slots + self.max_prefill_batch:
                 try:
                     r = next(it)

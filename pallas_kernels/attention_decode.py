@@ -71,7 +71,7 @@ def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *refs, g, bh, bk, chunk, seq,
         if nw:
             rel = jnp.clip(kpos - length, 0, 32 * nw - 1)[None, :]  # the slot's bit in the window
             word = words[0] if nw == 1 else jnp.where(rel < 32, words[0], words[1])
-            seen = (kpos < length)[None, :] | ((kpos >= length)[None, :] & (((word >> (rel % 32)) & 1) == 1))
+            seen = (kpos < length)[None, :] | (((word >> (rel % 32)) & 1) == 1)  # (rel is 0 before the window)
             vis = seen & kmask[None, :]
         else:
             vis = kmask[None, :]
