@@ -300,9 +300,9 @@ def evaluate_heads(engine: Engine, tokenizer, args, log) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         t0 = time.perf_counter()
-        row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens)}
+        row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k)}
         if args.tree:
-            row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, tree=args.tree)
+            row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k, tree=args.tree)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
         log(f"{folder}: {row['chain']['mean_accepted']} accepted drafts/step (chain)"
@@ -315,7 +315,8 @@ def build_parser():
     p.add_argument("--model", "-m", default=None, help="target .gguf or checkpoint folder (default: embedded model)")
     p.add_argument("--out", default=None, help="folder for the head (eagle.json, head.msgpack) and train state")
     p.add_argument("--eval", nargs="+", default=None, metavar="HEAD",
-                   help="train nothing: held-out acceptance of these head folders (chain K = 4, and --tree)")
+                   help="train nothing: held-out acceptance of these head folders (a chain of --k drafts, and --tree)")
+    p.add_argument("--k", type=int, default=4, help="drafts per step of the held-out figures (the tree's depth)")
     p.add_argument("--chat-prompts", type=int, default=640, help="built-in chat prompts to use (most 691)")
     p.add_argument("--raw-prompts", type=int, default=24)
     p.add_argument("--temps", default="0,0.7,1.0", help="each prompt is continued once per temperature")
@@ -386,8 +387,8 @@ def main(argv=None) -> int:
             "data_tokens": int(mask.sum()), "data_seconds": round(gen_s, 1), "unroll": args.unroll,
             "training": summary}
     save_head(args.out, hc, head, info)  # first without the held-out figures: a cut evaluation loses no head
-    acc = heldout_acceptance(engine, hc, head, held, args.holdout_tokens) if held else {}
-    acc_tree = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, tree=args.tree) if (
+    acc = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k) if held else {}
+    acc_tree = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k, tree=args.tree) if (
         held and args.tree) else {}
     info.update(heldout=acc, heldout_tree=acc_tree)
     save_head(args.out, hc, head, info)

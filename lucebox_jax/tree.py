@@ -1,15 +1,18 @@
-"""Tree verification (`--tree N`): the drafter proposes a static-shape tree of N = width x depth nodes, the target
-checks every node in ONE forward with a tree attention mask (model.forward(tree=...); one compile per shape), the
-longest accepted root-to-leaf path is committed and its KV entries are moved into place.
+"""Tree verification (`--tree N`): the drafter proposes a static-shape tree of N nodes (the best N of the draft's
+candidates, any shape up to depth K with at most `width` = N // K children a node), the target checks every node in
+ONE forward with a tree attention mask (model.forward(tree=...); one compile per shape), the longest accepted
+root-to-leaf path is committed and its KV entries are moved into place.
 
-Window layout: slot start + 0 holds the root (the newest committed token), slot start + i node i (depth-major
-numbering); node i sits at position start + depth[i]. After acceptance the path's nodes at depths 1..n move to slots
-start + 1 .. start + n, where a chain would have put them, so the cache contract of speculative.py holds again.
+Window layout: slot start + 0 holds the root (the newest committed token), slot start + i node i; node i sits at
+position start + depth[i], and its parent (0 = the root) has a lower window index. After acceptance the path's nodes
+at depths 1..n move to slots start + 1 .. start + n, where a chain would have put them, so the cache contract of
+speculative.py holds again.
 
 Acceptance walks the tree from the root. Greedy rows follow the child equal to the target's argmax. Sampled rows use
 recursive rejection sampling over the children (deterministic drafts, as SpecInfer / EAGLE-2): child c is accepted
 with probability p'(c); on rejection p' loses c and is renormalised; if every child is rejected the next token is
-drawn from the last p'. The committed output follows the target's distribution exactly.
+drawn from the last p'. The committed output follows the target's distribution exactly. Children are tried, and a
+greedy tie between siblings won, in window order.
 """
 
 from __future__ import annotations
@@ -36,15 +39,27 @@ def ancestors(parent, depth: int):
 
 
 def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
-    """Walk the tree. logits [B, 1 + N, V] (float32, penalties applied), tokens/parent/depths [B, N].
-    -> (n accepted [B], path [B, depth] window indices (0 past n), next token [B]).
-    An all-greedy batch takes `_walk_greedy` (a few [B, width] ops per depth); with any sampled row the whole batch
-    takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every node."""
-    return by_temperature(rp, logits.shape[-1], lambda: _walk_greedy(logits, tokens, parent, width, depth),
+    """Walk the tree. logits [B, 1 + N, V] (float32, penalties applied), tokens/parent/depths [B, N] (at most
+    `width` children a node, `depth` levels). -> (n accepted [B], path [B, depth] window indices (0 past n), next
+    token [B]). An all-greedy batch takes `_walk_greedy` (a few [B, N] ops per depth); with any sampled row the
+    whole batch takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every
+    child it tries."""
+    return by_temperature(rp, logits.shape[-1], lambda: _walk_greedy(logits, tokens, parent, depth),
                           lambda *, sort: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth, sort))
 
 
-def _walk_greedy(logits, tokens, parent, width: int, depth: int):
+def children(parent, width: int):
+    """parent [B, N] -> [B, 1 + N, width]: the window indices of each window slot's children in window order, 0
+    where it has fewer than `width`."""
+    b, n = parent.shape
+    earlier = jnp.tril(jnp.ones((n, n), bool), -1)  # [i, j]: j before i
+    rank = jnp.sum((parent[:, :, None] == parent[:, None, :]) & earlier[None], axis=-1)  # among its siblings
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, n))
+    win = jnp.broadcast_to(jnp.arange(1, n + 1, dtype=jnp.int32)[None], (b, n))
+    return jnp.zeros((b, n + 1, width), jnp.int32).at[rows, parent, rank].set(win, mode="drop")
+
+
+def _walk_greedy(logits, tokens, parent, depth: int):
     """`_walk` for greedy rows: at each depth the first child (in window order) of the current node whose token is
     the target's argmax there."""
     b = logits.shape[0]
@@ -54,12 +69,10 @@ def _walk_greedy(logits, tokens, parent, width: int, depth: int):
     alive = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
     path = []
-    for d in range(1, depth + 1):
-        lo = (d - 1) * width
-        ok = (alive[:, None] & (parent[:, lo:lo + width] == cur[:, None])
-              & (tokens[:, lo:lo + width] == arg[rows, cur][:, None]))  # [B, width]
+    for _ in range(depth):
+        ok = alive[:, None] & (parent == cur[:, None]) & (tokens == arg[rows, cur][:, None])  # [B, N]
         found = ok.any(axis=1)
-        nxt_cur = 1 + lo + jnp.argmax(ok, axis=1).astype(jnp.int32)
+        nxt_cur = 1 + jnp.argmax(ok, axis=1).astype(jnp.int32)
         cur = jnp.where(found, nxt_cur, cur)
         path.append(jnp.where(found, nxt_cur, 0))
         n = n + found.astype(jnp.int32)
@@ -78,25 +91,26 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
         x = filter_logits(logits[rows, cur], rp.temperature, rp.top_k, rp.top_p, rp.min_p, sort=sort)
         return jax.nn.softmax(x, axis=-1)
 
+    kids = children(parent, width)
     cur = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
     p = jax.lax.cond(jnp.any(hot), probs, lambda c: jnp.zeros((b, v), jnp.float32), cur)
     path = []
     for d in range(1, depth + 1):
-        lo = (d - 1) * width  # this depth's nodes: window 1 + lo .. lo + width
         want = arg[rows, cur]
         found, nxt_cur = jnp.zeros((b,), bool), cur
         for w in range(width):
-            node = lo + w
-            child = alive & (parent[:, node] == cur) & ~found
-            t = tokens[:, node]
-            u = jax.vmap(lambda k, pos: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
-                jax.random.fold_in(jax.random.wrap_key_data(k), pos), TAG_TREE), node)))(keys, pos0 + d - 1)
+            win = kids[rows, cur, w]  # the current node's w-th child (0: none)
+            node = jnp.maximum(win - 1, 0)
+            child = alive & (win > 0) & ~found
+            t = tokens[rows, node]
+            u = jax.vmap(lambda k, pos, i: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
+                jax.random.fold_in(jax.random.wrap_key_data(k), pos), TAG_TREE), i)))(keys, pos0 + d - 1, node)
             pt = p[rows, t]
             ok = jnp.where(hot, u < pt, t == want) & child
             found = found | ok
-            nxt_cur = jnp.where(ok, node + 1, nxt_cur)
+            nxt_cur = jnp.where(ok, win, nxt_cur)
             # a rejected sampled child leaves the residual
             rej = child & ~ok & hot
             p = jnp.where(rej[:, None], p.at[rows, t].set(0.0), p)

@@ -111,7 +111,7 @@ def test_greedy_walk_equals_the_full_walk():
     rp = RowParams.from_params([SamplingParams(temperature=0.0, seed=s) for s in range(b)])
     pos = jnp.full((b,), 5, jnp.int32)
     full = _walk(logits, tokens, parent, depths, rp, rp.keys, pos, width, depth)
-    fast = _walk_greedy(logits, tokens, parent, width, depth)
+    fast = _walk_greedy(logits, tokens, parent, depth)
     for a, c in zip(full, fast):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert np.asarray(full[0]).max() >= 2  # some rows accept deep paths, so the comparison is not vacuous
@@ -140,3 +140,48 @@ def test_tree_verify_through_the_pallas_tree_kernel(eng):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-4)
     plain, _ = forward(CFG, KernelSet(), eng.weights, cache, toks, start)  # the mask matters: a chain is not a tree
     assert not np.allclose(np.asarray(plain[0]), np.asarray(want[0]), atol=1e-3)
+
+
+def test_select_nodes_keeps_the_best_candidates_as_a_tree():
+    """EAGLE-2's rerank: from a beam's candidates (root children, then width x width children of the frontier per
+    depth) the n of highest cumulative log probability, which always form a tree (every parent chosen, earlier in
+    window order), deeper where the draft is sure."""
+    from lucebox_jax.drafters.eagle import select_nodes
+
+    rng = np.random.default_rng(0)
+    b, w, depth = 64, 3, 4
+    cands, frontier, base = [], np.tile(np.arange(w), (b, 1)), w
+    score = np.sort(np.log(rng.dirichlet(np.ones(8) * 0.3, size=b)), axis=1)[:, ::-1][:, :w]
+    cands.append((rng.integers(0, 50, (b, w)), score, np.full((b, w), -1), 1))
+    for d in range(2, depth + 1):
+        lp = np.sort(np.log(rng.dirichlet(np.ones(8) * 0.3, size=(b, w))), axis=2)[:, :, ::-1][:, :, :w]
+        cand = (score[:, :, None] + lp).reshape(b, w * w)
+        cands.append((rng.integers(0, 50, (b, w * w)), cand, np.repeat(frontier, w, axis=1), d))
+        best = np.argsort(-cand, axis=1, kind="stable")[:, :w]
+        score, frontier, base = np.take_along_axis(cand, best, 1), base + best, base + w * w
+    n = w * depth
+    toks, parent, dep = (np.asarray(a) for a in select_nodes(
+        [tuple(jnp.asarray(x) if not isinstance(x, int) else x for x in c) for c in cands], n))
+    all_score = np.concatenate([c[1] for c in cands], axis=1)
+    all_tok = np.concatenate([c[0] for c in cands], axis=1)
+    deeper = 0
+    for r in range(b):
+        chosen = np.sort(np.argsort(-all_score[r], kind="stable")[:n])
+        np.testing.assert_array_equal(toks[r], all_tok[r, chosen])  # the n best, in candidate order
+        for i in range(n):
+            p = parent[r, i]
+            assert p < i + 1 and (dep[r, i] == 1) == (p == 0)
+            if p:
+                assert dep[r, p - 1] == dep[r, i] - 1
+        assert np.bincount(parent[r], minlength=n + 1).max() <= w  # at most `width` children a node
+        deeper += int(dep[r].max() == depth and np.bincount(dep[r], minlength=depth + 1)[1] < w)
+    assert deeper > 0  # some trees trade root children for depth (else this is the beam)
+
+
+def test_children_lists_each_node_in_window_order():
+    from lucebox_jax.tree import children
+
+    parent = jnp.asarray([[0, 0, 1, 2, 1, 1], [0, 1, 2, 3, 4, 5]], jnp.int32)
+    kids = np.asarray(children(parent, 3))
+    assert kids[0, 0].tolist() == [1, 2, 0] and kids[0, 1].tolist() == [3, 5, 6] and kids[0, 2].tolist() == [4, 0, 0]
+    assert kids[1, :, 0].tolist() == [1, 2, 3, 4, 5, 6, 0] and kids[1, :, 1:].max() == 0

@@ -246,12 +246,14 @@ class EagleDrafter(Drafter):
         return drafts, q, state.replace(k=kc, v=vc)
 
     def propose_tree(self, params, state: EagleState, tok, start, width: int, depth: int):
-        """A token tree of width * depth nodes, beam style (EAGLE-2's best-first at a fixed size): the `width` most
-        likely tokens after `tok`, then at each depth the `width` best children (by cumulative log probability) of
-        all width * width candidates. Each frontier node runs the head on its own chain (committed cache + its
-        ancestors' keys: the pattern the head was trained on). The head's cache is not changed.
-        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth); nodes are
-        numbered depth-major: window index 1 + (d - 1) * width + w."""
+        """A token tree of width * depth nodes, EAGLE-2's way at a fixed size. Expansion is a beam: the `width` most
+        likely tokens after `tok`, then at each depth the `width` best (by cumulative log probability) of the
+        width * width children of the frontier run the head, each on its own chain (committed cache + its ancestors'
+        keys: the pattern the head was trained on). The tree is then the best width * depth of ALL the candidates
+        drafted, whatever their depth (`select_nodes`): deep where the head is sure, bushy where it is not. The
+        head's cache is not changed.
+        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth); nodes in window
+        order are shallow first, parents before children, at most `width` children a node."""
         hc = self.hc
         tree_attention = ops.get("attention_tree", self.target.kernels.attention_tree)
         dt = jnp.dtype(hc.dtype)
@@ -261,7 +263,10 @@ class EagleDrafter(Drafter):
         g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
         ck = jnp.zeros((b, w, depth, hc.n_kv_heads, hc.head_dim), dt)
         cv = jnp.zeros_like(ck)
-        toks, parents = [ftok], [jnp.zeros((b, w), jnp.int32)]
+        # every candidate drafted: token, cumulative log probability, parent (candidate index, -1 = the root), depth
+        cands = [(ftok, score, jnp.full((b, w), -1, jnp.int32), 1)]
+        frontier = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32)[None], (b, w))  # candidate index of each slot
+        base = w
         wi = jnp.arange(w)
         for d in range(1, depth):
             pos = jnp.broadcast_to((start - 1 + d)[:, None], (b, w))
@@ -276,16 +281,35 @@ class EagleDrafter(Drafter):
             lp = jax.nn.log_softmax(head_logits(hc, params.head, h, params.lm_head, self.target.kernels))
             top_lp, top_tok = jax.lax.top_k(lp, w)  # [B, W, W]
             cand = (score[:, :, None] + top_lp).reshape(b, w * w)
+            cands.append((top_tok.reshape(b, w * w), cand, jnp.repeat(frontier, w, axis=1), d + 1))
             score, best = jax.lax.top_k(cand, w)
             pw = best // w  # parent's frontier slot
             ftok = jnp.take_along_axis(top_tok.reshape(b, w * w), best, axis=1)
             take = lambda a: jnp.take_along_axis(a, pw.reshape(b, w, *([1] * (a.ndim - 2))), axis=1)  # noqa: E731
             g, ck, cv = take(h), take(ck), take(cv)
-            toks.append(ftok)
-            parents.append(1 + (d - 1) * w + pw)
-        depths = jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), w)
-        return (jnp.concatenate(toks, axis=1).astype(jnp.int32), jnp.concatenate(parents, axis=1).astype(jnp.int32),
-                jnp.broadcast_to(depths[None], (b, w * depth)))
+            frontier = base + best
+            base += w * w
+        return select_nodes(cands, w * depth)
+
+
+def select_nodes(cands, n: int):
+    """The n best of the drafted candidates, list of (tokens [B, C], cumulative log prob [B, C], parent candidate
+    index [B, C] (-1: the root), depth) in candidate-index order, as a tree: -> tokens, parent (window index, 0 = the
+    root), depth, each [B, n], in candidate-index order (shallow first, parents before children). A child's log
+    probability is its parent's plus a log probability (<= 0), and ties go to the shallower, so a chosen node's
+    parent is always chosen too."""
+    toks = jnp.concatenate([c[0] for c in cands], axis=1)
+    score = jnp.concatenate([c[1] for c in cands], axis=1).astype(jnp.float32)
+    par = jnp.concatenate([c[2] for c in cands], axis=1)
+    dep = jnp.concatenate([jnp.full(c[0].shape, c[3], jnp.int32) for c in cands], axis=1)
+    b, total = toks.shape
+    _, pick = jax.lax.top_k(score - 1e-4 * dep.astype(jnp.float32), n)
+    pick = jnp.sort(pick, axis=1)
+    rows = jnp.arange(b)[:, None]
+    window = jnp.zeros((b, total), jnp.int32).at[rows, pick].set(jnp.arange(1, n + 1, dtype=jnp.int32)[None])
+    p = par[rows, pick]
+    parent = jnp.where(p < 0, 0, window[rows, jnp.maximum(p, 0)])
+    return toks[rows, pick].astype(jnp.int32), parent.astype(jnp.int32), dep[rows, pick]
 
 
 def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, last, cache_len):
