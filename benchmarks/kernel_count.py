@@ -246,7 +246,7 @@ def capture(module, name: str, run):
 def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
     """Compile one configuration for `dev` with the GPU engine's kernels; its arguments' shapes come from a short
     real run of the same configuration on the CPU."""
-    from lucebox_jax import SamplingParams, engine, speculative
+    from lucebox_jax import SamplingParams, engine, scheduler, spec_batch, speculative
     from lucebox_jax.drafters import build
     from lucebox_jax.speculative import SpeculativeDecoder
 
@@ -267,7 +267,21 @@ def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
             cpu_llm.spec = None
         drafter = build("eagle", gpu_engine)
         return compile_for(dev, speculative.spec_chunk, (cfg, ks, drafter), (w, drafter.params, *a[5:]), **kw)
-    raise SystemExit(f"unknown configuration {name!r}: decode, batch, chain, tree")
+    if name in ("slots", "spec-slots"):  # a batch job's decode call (scheduler.py), plain or speculating per slot
+        saved = cpu_llm.max_batch
+        cpu_llm.max_batch = args.slots  # more prompts than slots: the scheduler runs them
+        if name == "spec-slots":
+            cpu_llm.spec = SpeculativeDecoder.create(cpu_llm.engine, "eagle", args.k, tokenizer=cpu_llm.tokenizer)
+        target = (spec_batch, "spec_decode_chunk") if cpu_llm.spec is not None else (scheduler, "decode_chunk")
+        try:
+            a, kw = capture(*target, lambda: cpu_llm.generate(prompt * (args.slots + 1), greedy))
+        finally:
+            cpu_llm.max_batch, cpu_llm.spec = saved, None
+        if name == "slots":
+            return compile_for(dev, scheduler.decode_chunk, (cfg, ks), (w, *a[3:]), **kw)
+        drafter = build("eagle", gpu_engine)
+        return compile_for(dev, spec_batch.spec_decode_chunk, (cfg, ks, drafter), (w, drafter.params, *a[5:]), **kw)
+    raise SystemExit(f"unknown configuration {name!r}: decode, batch, chain, tree, slots, spec-slots")
 
 
 def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
@@ -295,12 +309,14 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF or checkpoint (default: the embedded model)")
-    p.add_argument("--configs", default="decode,chain,tree", help="decode, batch, chain, tree (comma-separated)")
+    p.add_argument("--configs", default="decode,chain,tree",
+                   help="decode, batch, chain, tree, slots, spec-slots (comma-separated)")
     p.add_argument("--kernels", default=None,
                    help="the GPU kernel set, e.g. 'qmatmul=pallas' (default: the H200's defaults)")
     p.add_argument("--k", type=int, default=4, help="drafts per step (chain) and tree depth")
     p.add_argument("--tree", type=int, default=32, help="tree nodes")
     p.add_argument("--batch", type=int, default=32, help="rows of the batch configuration")
+    p.add_argument("--slots", type=int, default=8, help="slots of the slots / spec-slots configurations")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--synthetic", default=None, help="count one decode step of these synthetic.PRESETS shapes "
                    "instead (e.g. llama3-8b); --configs is then a label")

@@ -44,10 +44,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw):
+def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows):
+    row_ref, refs = (refs[0], refs[1:]) if has_rows else (None, refs)
+    q_ref, k_ref, v_ref, *refs = refs
     win_ref, out_refs = (refs[0], refs[1:]) if nw else (None, refs)
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    kb = row_ref[b]  # the cache row this query row reads
+    kb = row_ref[b] if has_rows else b  # the cache row this query row reads
     length = jnp.minimum(len_ref[b], seq)
     start = sp * chunk
     end = jnp.minimum(start + chunk, jnp.minimum(length + 32 * nw, seq) if nw else length)
@@ -152,7 +154,6 @@ def attention_decode(
     whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix."""
     bsz, hq, d = q.shape
     _, hkv, seq, _ = k.shape
-    rows = jnp.arange(bsz, dtype=jnp.int32) if rows is None else rows.astype(jnp.int32)
     g = hq // hkv
     assert g * hkv == hq and d & (d - 1) == 0, (q.shape, k.shape)
     bh = max(16, _next_pow2(g))
@@ -171,7 +172,7 @@ def attention_decode(
     assert nw in (0, 1, 2), win_mask.shape
     kern = functools.partial(
         _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split, partials=partials,
-        nw=nw,
+        nw=nw, has_rows=rows is not None,
     )
     if n_split == 1 and not partials:
         out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
@@ -181,6 +182,8 @@ def attention_decode(
             jax.ShapeDtypeStruct((bsz, hkv, n_split, g), jnp.float32),
             jax.ShapeDtypeStruct((bsz, hkv, n_split, g), jnp.float32),
         ]
+    # no rows: row b reads cache row b by its program id (an arange passed in would cost a kernel a call)
+    row_arg = [] if rows is None else [rows.astype(jnp.int32)]
     outs = pl.pallas_call(
         kern,
         out_shape=out_shape,
@@ -188,7 +191,7 @@ def attention_decode(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="attention_decode",
-    )(lengths, rows, qg, k, v, *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
+    )(lengths, *row_arg, qg, k, v, *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
     if n_split == 1 and not partials:
         return outs[0].reshape(bsz, hq, d)
     o, m, l = outs
