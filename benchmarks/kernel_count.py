@@ -10,10 +10,13 @@ what a change removes. It is a count, not a time: times come from the GPU benchm
 Setup once (a venv beside .venv with jax's CUDA plugin; ~4 GB, CPU only):  bash scripts/setup_aot.sh
 Run:  .venv-aot/bin/python benchmarks/kernel_count.py [--configs decode,chain,tree] [--kernels best|pallas|...]
 
-Configurations (embedded model, batch 1, cache 1024): `decode` one plain decode step; `chain` one speculative step
-with the shipped EAGLE head, K = 4 (the body of `spec_chunk`'s loop); `tree` the same with a tree of --tree nodes;
-`slots` one step of the batch job's decode call at --slots rows. Output: a table per configuration (kernels by kind),
-and $OUT/kernel_count.json.
+Configurations, on the embedded model (or --model), each compiled with the shapes of a short real run on the CPU
+(one prompt; its cache holds 256 positions): `decode` one plain decode step at batch 1 and `batch` at --batch rows
+(the body of `generate_loop`); `chain` one speculative step with the shipped EAGLE head, K = --k (the body of
+`spec_chunk`); `tree` the same with a tree of --tree nodes; `slots` / `spec-slots` one step of a batch job's decode
+call at --slots rows, plain / speculating (`scheduler.decode_chunk`, `spec_batch.spec_decode_chunk`).
+`--synthetic llama3-8b` instead counts one `decode_step` of random weights at those shapes (never made: shapes only).
+Output: per configuration, kernels by kind and by call path, and $OUT/kernel_count.json.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def _opcode(ins: str) -> str:
     return m.group(1) if m else "?"
 
 
-def _frames(hlo: str) -> dict[int, tuple[str, int]]:
+def _frames(hlo: str) -> dict[int, tuple]:
     """stack_frame_id -> the Python call path of an instruction's source, outermost first: ((function, file, line),
     ...), from the module's FileNames / FunctionNames / FileLocations / StackFrames tables."""
     tables: dict[str, dict[int, str]] = {}
@@ -95,7 +98,8 @@ def _frames(hlo: str) -> dict[int, tuple[str, int]]:
     def path(i: int) -> tuple:
         if i not in paths:
             parent = int(raw[i]["parent_frame_id"]) - 1  # printed 1-based; 0 = no parent
-            paths[i] = (path(parent) if parent in raw and parent != i else ()) + (locs[int(raw[i]["file_location_id"])],)
+            here = locs[int(raw[i]["file_location_id"])]
+            paths[i] = (path(parent) if parent in raw and parent != i else ()) + (here,)
         return paths[i]
 
     return {i: path(i) for i in raw}
@@ -307,7 +311,8 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
 
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="GGUF or checkpoint (default: the embedded model)")
     p.add_argument("--configs", default="decode,chain,tree",
                    help="decode, batch, chain, tree, slots, spec-slots (comma-separated)")
@@ -319,7 +324,7 @@ def main(argv=None) -> int:
     p.add_argument("--slots", type=int, default=8, help="slots of the slots / spec-slots configurations")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--synthetic", default=None, help="count one decode step of these synthetic.PRESETS shapes "
-                   "instead (e.g. llama3-8b); --configs is then a label")
+                   "instead (e.g. llama3-8b); --configs is ignored")
     p.add_argument("--batch-syn", type=int, default=1, help="rows of the synthetic decode step")
     p.add_argument("--context", type=int, default=1024, help="cache length of the synthetic decode step")
     p.add_argument("--group", type=int, default=128, help="int4 group size of the synthetic weights (as bench_decode)")
