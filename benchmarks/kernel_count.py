@@ -16,7 +16,8 @@ Configurations, on the embedded model (or --model), each compiled with the shape
 `spec_chunk`); `tree` the same with a tree of --tree nodes; `slots` / `spec-slots` one step of a batch job's decode
 call at --slots rows, plain / speculating (`scheduler.decode_chunk`, `spec_batch.spec_decode_chunk`).
 `--synthetic llama3-8b` instead counts one `decode_step` of random weights at those shapes (never made: shapes only).
-Output: per configuration, kernels by kind and by call path, and $OUT/kernel_count.json.
+Output: per configuration, kernels by kind and by call path, and $OUT/kernel_count.json;
+`--compare BEFORE.json AFTER.json` prints what a change added or removed.
 """
 
 from __future__ import annotations
@@ -309,6 +310,25 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
     return compile_for(dev, engine.decode_step, (cfg, ks), (w, cache, tokens, rp, seen), n_logprobs=0)
 
 
+def compare(before: dict, after: dict) -> list[str]:
+    """Markdown lines: what changed between two kernel_count.json files, per configuration, by kind and call path."""
+    out = []
+    same = before.get("depth") is not None and before.get("depth") == after.get("depth")
+    keys = ("by_kind", "by_source") if same else ("by_kind",)
+    if len(keys) == 1:
+        out.append("(call paths not compared: the two runs used different (or unrecorded) --depth)")
+    for name in [n for n in after["configs"] if n in before["configs"]]:
+        a, b = before["configs"][name], after["configs"][name]
+        out += [f"\n{name}: {a['kernels']} -> {b['kernels']} kernels ({b['kernels'] - a['kernels']:+d})",
+                "| kernels by | what | before | after |", "|---|---|---|---|"]
+        for key in keys:
+            for what in sorted(set(a[key]) | set(b[key])):
+                x, y = a[key].get(what, 0), b[key].get(what, 0)
+                if x != y:
+                    out.append(f"| {key[3:]} | {what} | {x} | {y} |")
+    return out
+
+
 # ------------------------------------------------------------------------------------------------ main
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -331,7 +351,13 @@ def main(argv=None) -> int:
     p.add_argument("--branch", choices=("smallest", "largest"), default="smallest",
                    help="which branch of a conditional the tables count (smallest: greedy sampling)")
     p.add_argument("--depth", type=int, default=4, help="call-path levels in the by-source table")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"), default=None,
+                   help="compile nothing: what changed between two kernel_count.json files")
     args = p.parse_args(argv)
+    if args.compare:
+        with open(args.compare[0]) as f, open(args.compare[1]) as g:
+            print("\n".join(compare(json.load(f), json.load(g))))
+        return 0
 
     import jax
 
@@ -353,7 +379,7 @@ def main(argv=None) -> int:
         gpu_engine = Engine(cpu_llm.engine.cfg, cpu_llm.engine.weights, ks)
         gpu_engine.model_name = cpu_llm.engine.model_name
     out = {"device": "NVIDIA H200 (compile only)", "jax": jax.__version__, "kernels": ks.describe(),
-           "model": args.synthetic or cpu_llm.source, "configs": {}}
+           "model": args.synthetic or cpu_llm.source, "depth": args.depth, "configs": {}}
     print(f"kernels: {ks.describe()}", flush=True)
     for name in args.configs.split(","):
         t0 = time.time()

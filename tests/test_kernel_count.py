@@ -78,3 +78,16 @@ def test_a_conditional_counts_the_chosen_branch():
     assert kc.total(large) == 4 and large["custom-call:my_kernel"] == 1 and large["copy"] == 1
     assert kc.total(small) == 2 and small["fusion:kLoop"] == 1
     assert large["conditionals"] == small["conditionals"] == 1
+
+
+def test_compare_reports_what_changed():
+    before = {"depth": 3, "configs": {"decode": {"kernels": 10, "by_kind": {"fusion:kLoop": 6, "copy": 4},
+                                                 "by_source": {"f > g": 10}}}}
+    after = {"depth": 3, "configs": {"decode": {"kernels": 8, "by_kind": {"fusion:kLoop": 6, "copy": 2},
+                                                "by_source": {"f > g": 8}}}}
+    lines = kc.compare(before, after)
+    assert any("10 -> 8 kernels (-2)" in x for x in lines)
+    assert "| kind | copy | 4 | 2 |" in lines and "| source | f > g | 10 | 8 |" in lines
+    assert not any("kLoop" in x for x in lines)  # unchanged rows are left out
+    after["depth"] = 4
+    assert not any(x.startswith("| source") for x in kc.compare(before, after))
