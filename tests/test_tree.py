@@ -178,6 +178,31 @@ def test_select_nodes_keeps_the_best_candidates_as_a_tree():
     assert deeper > 0  # some trees trade root children for depth (else this is the beam)
 
 
+def test_select_nodes_keeps_parents_when_sums_round_to_equal(monkeypatch):
+    """A child whose log probability is 0 has its parent's sum; at a large enough magnitude a small per-depth
+    tie-break rounds away too. The tree stays closed whichever way top_k breaks the tie (the GPU's need not prefer
+    the lower index): here it prefers the higher one, i.e. the child."""
+    from lucebox_jax.drafters import eagle
+    from lucebox_jax.drafters.eagle import select_nodes
+
+    stable_top_k = jax.lax.top_k
+
+    def top_k_last_first(x, k):  # ties: the higher index first
+        v, i = stable_top_k(x[..., ::-1], k)
+        return v, x.shape[-1] - 1 - i
+
+    monkeypatch.setattr(eagle.jax.lax, "top_k", top_k_last_first)
+    big = -5000.0  # float32 spacing here is 4.9e-4
+    f = lambda v: jnp.asarray([v], jnp.float32)  # noqa: E731
+    cands = [(jnp.asarray([[7, 8]]), f([big, big - 10]), jnp.asarray([[-1, -1]]), 1),
+             (jnp.asarray([[9, 10, 11, 12]]), f([big, big - 5, big - 10, big - 15]), jnp.asarray([[0, 0, 1, 1]]), 2)]
+    for n in (1, 2, 3):
+        toks, parent, dep = (np.asarray(a)[0] for a in select_nodes(cands, n))
+        assert toks[0] == 7 and parent[0] == 0 and dep[0] == 1, (n, toks, parent, dep)  # the root's best child
+        for i in range(n):
+            assert parent[i] < i + 1 and (dep[i] == 1) == (parent[i] == 0)
+
+
 def test_children_lists_each_node_in_window_order():
     from lucebox_jax.tree import children
 

@@ -295,15 +295,21 @@ class EagleDrafter(Drafter):
 def select_nodes(cands, n: int):
     """The n best of the drafted candidates, list of (tokens [B, C], cumulative log prob [B, C], parent candidate
     index [B, C] (-1: the root), depth) in candidate-index order, as a tree: -> tokens, parent (window index, 0 = the
-    root), depth, each [B, n], in candidate-index order (shallow first, parents before children). A child's log
-    probability is its parent's plus a log probability (<= 0), and ties go to the shallower, so a chosen node's
-    parent is always chosen too."""
+    root), depth, each [B, n], in candidate-index order (shallow first, parents before children). Each candidate ranks
+    strictly below its parent (its log probability adds one <= 0, and an equal or rounded-up sum is pushed one float
+    below the parent's), so a chosen node's parent is always chosen too."""
+    ranks = []
+    for _, score, par, d in cands:
+        r = score.astype(jnp.float32)
+        if d > 1:
+            parent_rank = jnp.take_along_axis(jnp.concatenate(ranks, axis=1), par, axis=1)
+            r = jnp.minimum(r, jnp.nextafter(parent_rank, jnp.float32(-jnp.inf)))
+        ranks.append(r)
     toks = jnp.concatenate([c[0] for c in cands], axis=1)
-    score = jnp.concatenate([c[1] for c in cands], axis=1).astype(jnp.float32)
     par = jnp.concatenate([c[2] for c in cands], axis=1)
     dep = jnp.concatenate([jnp.full(c[0].shape, c[3], jnp.int32) for c in cands], axis=1)
     b, total = toks.shape
-    _, pick = jax.lax.top_k(score - 1e-4 * dep.astype(jnp.float32), n)
+    _, pick = jax.lax.top_k(jnp.concatenate(ranks, axis=1), n)
     pick = jnp.sort(pick, axis=1)
     rows = jnp.arange(b)[:, None]
     window = jnp.zeros((b, total), jnp.int32).at[rows, pick].set(jnp.arange(1, n + 1, dtype=jnp.int32)[None])
