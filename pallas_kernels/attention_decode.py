@@ -101,31 +101,25 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         plgpu.store(l_ref.at[b, h, sp, pl.ds(0, bh)], l_i, mask=rmask)
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, g, bh, n_split, nsp):
-    """One program per (row, kv head): the n_split partials of its G query heads merged by their maxima."""
-    b, h = pl.program_id(0), pl.program_id(1)
-    rmask = jnp.arange(bh) < g
-    mask = (jnp.arange(nsp) < n_split)[:, None] & rmask[None, :]
-    m = plgpu.load(m_ref.at[b, h, pl.ds(0, nsp), pl.ds(0, bh)], mask=mask, other=_NEG)  # [nsp, bh]
-    l = plgpu.load(l_ref.at[b, h, pl.ds(0, nsp), pl.ds(0, bh)], mask=mask, other=0)
-    m_max = jnp.max(m, axis=0)
-    w = jnp.exp2(m - m_max[None, :])
-    l_tot = jnp.sum(w * l, axis=0)
-
-    def body(i, acc):  # one split at a time: [nsp, bh, D] at once would not fit in registers
-        wi = jnp.exp2(plgpu.load(m_ref.at[b, h, i, pl.ds(0, bh)], mask=rmask, other=_NEG) - m_max)
-        oi = plgpu.load(o_ref.at[b, h, i, pl.ds(0, bh), :], mask=rmask[:, None], other=0)
-        return acc + wi[:, None] * oi
-
-    acc = lax.fori_loop(0, n_split, body, jnp.zeros((bh, o_ref.shape[-1]), jnp.float32))
-    out = acc / jnp.where(l_tot > 0, l_tot, 1.0)[:, None]
-    plgpu.store(out_ref.at[b, h, pl.ds(0, bh), :], out.astype(out_ref.dtype), mask=rmask[:, None])
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_split, nsp):
+    """One program per (row, kv head, query head of the group): its n_split partials in one [nsp, D] load (a loop
+    over the splits waits on one load after another), merged by their maxima."""
+    b, h, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    smask = jnp.arange(nsp) < n_split
+    m = plgpu.load(m_ref.at[b, h, pl.ds(0, nsp), gi], mask=smask, other=_NEG)  # [nsp]
+    l = plgpu.load(l_ref.at[b, h, pl.ds(0, nsp), gi], mask=smask, other=0)
+    o = plgpu.load(o_ref.at[b, h, pl.ds(0, nsp), gi, :], mask=smask[:, None], other=0)  # [nsp, D]
+    w = jnp.exp2(m - jnp.max(m))
+    l_tot = jnp.sum(w * l)
+    out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(l_tot > 0, l_tot, 1.0)
+    plgpu.store(out_ref.at[b, h, gi, :], out.astype(out_ref.dtype))
 
 
 def default_config(b: int, hkv: int, s: int, d: int) -> dict:
     """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps beyond.
-    LUCEBOX_ATTN_COMBINE=kernel merges the splits in a second Pallas kernel instead of XLA's two fusions (not yet
-    measured on the GPU, so not the default)."""
+    LUCEBOX_ATTN_COMBINE=kernel merges the splits in a second Pallas kernel instead of XLA's fusions (2-4 a call; the
+    first version of that kernel measured 3% slower on the H200's 8B step, the present one is not measured yet, so
+    it is not the default)."""
     combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "xla")
     if s >= 16384:
         return dict(block_k=128, n_split=None, num_warps=8, num_stages=3, combine=combine)
@@ -148,8 +142,8 @@ def attention_decode(
     partials=True returns the softmax unnormalised instead, to be merged with other keys (a tree's window,
     `attention_tree.py`): (acc [B, Hq, D], m [B, Hq], l [B, Hq]) in float32, where out = acc / l and m is the
     running maximum of the scores in log2 units (scale * log2(e) * q.k); a row that sees no key has l = 0.
-    combine: how n_split > 1 partials are merged: "xla" (jnp; XLA makes two small fusions of it) or "kernel" (one
-    Pallas program per row and kv head). A row-invariant call always merges in jnp, in split order.
+    combine: how n_split > 1 partials are merged: "xla" (jnp; XLA makes 1-4 small fusions of it, by shape) or
+    "kernel" (one Pallas program per row and query head). A row-invariant call always merges in jnp, in split order.
     win_mask [B, Hq, nw] int32 (nw 1 or 2): query row b, head h also sees the cache slots lengths[b] + j, j < 32 nw,
     whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix."""
     bsz, hq, d = q.shape
@@ -197,9 +191,9 @@ def attention_decode(
     o, m, l = outs
     if combine == "kernel" and not (partials or row_invariant):
         out = pl.pallas_call(
-            functools.partial(_combine_kernel, g=g, bh=bh, n_split=n_split, nsp=_next_pow2(n_split)),
+            functools.partial(_combine_kernel, n_split=n_split, nsp=_next_pow2(n_split)),
             out_shape=jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype),
-            grid=(bsz, hkv),
+            grid=(bsz, hkv, g),
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
             interpret=interpret,
             name="attention_decode_combine",
