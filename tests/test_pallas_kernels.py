@@ -446,6 +446,8 @@ def test_gpu_attention(hq, hkv, d):
     lengths = jnp.asarray([1, 517, 1000], jnp.int32)
     y = ops.get("attention_decode", "pallas")(q, k, v, lengths, scale=d**-0.5)
     assert rel(y, attention_decode_reference(q, k, v, lengths, scale=d**-0.5)) < TOL[jnp.bfloat16]
+    yk = attention_decode(q, k, v, lengths, scale=d**-0.5, combine="kernel")  # the splits merged by a Pallas kernel
+    assert rel(yk, attention_decode_reference(q, k, v, lengths, scale=d**-0.5)) < TOL[jnp.bfloat16]
     t = 37
     qp = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
     start = jnp.asarray([0, 400, 963], jnp.int32)
