@@ -1,0 +1,55 @@
+"""One Mosaic-GPU qmatmul configuration on one 8B shape, alone in its process: compiled, checked against the float32
+product and timed. For configurations that may not return (the stream-K variants on qkv and o did not finish within
+80 s on the H200, 2026-12-05): run each under `timeout` so a hang costs only its own process.
+Usage (GPU): timeout 40 python3 benchmarks/probe_stream_k.py qkv '{"stream_k": true, "split_k": 1, "steps": 2}'
+The JSON replaces fields of the shape's tabled configuration (`kernels_mgpu`); prints one line."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lucebox_jax import kernels_mgpu
+from lucebox_jax.quant import dequantize, quantize_int4
+from pallas_kernels import mgpu_qmatmul as mg
+
+SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096)}
+
+
+def main() -> None:
+    case, change = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
+    k, n = SHAPES[case]
+    m, g = int(change.pop("m", 1)), 128
+    base = kernels_mgpu.config_for(m, k, n, g, 4)
+    cfg = dataclasses.replace(base, **change)
+    plan = mg.stream_plan(n // (cfg.tile_m * cfg.compute_wgs), k // g // cfg.groups, 132 * cfg.ctas_per_sm)[:2] \
+        if cfg.stream_k else None
+    print(f"{case} M={m} {cfg} stream plan (steps per CTA, CTAs) {plan}", flush=True)
+    rng = np.random.default_rng(0)
+    w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=g, symmetric=True)
+    pw = mg.repack(w, k_perm=mg.perm_ok(g, 4))
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    f = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))
+    t0 = time.perf_counter()
+    y = np.asarray(f(x, pw), np.float32)
+    first = time.perf_counter() - t0
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+    err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
+    for _ in range(5):
+        f(x, pw).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        out = f(x, pw)
+    out.block_until_ready()
+    us = (time.perf_counter() - t0) / 50 * 1e6
+    print(f"{case} ok: first call (compile) {first:.1f} s, err {err:.1e}, {us:.1f} us a call (wall, dispatch included)")
+
+
+if __name__ == "__main__":
+    main()
