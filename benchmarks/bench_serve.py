@@ -113,8 +113,9 @@ def start_server(a, slots: int, out_dir: str, deadline: float, engine_process: b
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--batch-size", str(slots),
            "--max-context", str(a.max_context), "--steps-per-call", str(a.steps_per_call), "--served-model-name",
            "bench", "--max-queue", "4096", "--warmup", a.warmup] + (["--model", a.model] if a.model else []) + (
-           ["--exit-on-finish"] if a.exit_on_finish else []) + (["--engine-process"] if engine_process else []) + (
-           ["--lookahead"] if a.lookahead else [])
+           ["--exit-on-finish"] if a.exit_on_finish else []) + (["--lookahead"] if a.lookahead else []) + (
+           # named both ways: the server's own default is the engine process on a GPU
+           ["--engine-process" if engine_process else "--no-engine-process"])
     logf = open(os.path.join(out_dir, f"server_{slots}{'_ep' if engine_process else ''}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     t0 = time.perf_counter()

@@ -384,6 +384,34 @@ def test_serve_flags_fail_before_loading():
     assert main(["--serve", "--keep-alive", "0"]) == 2
 
 
+def test_engine_process_is_the_default_only_with_a_gpu_plugin(tmp_path, monkeypatch):
+    """Unless asked either way, the server runs its device loop in a child process only where jax has a GPU plugin
+    (found without starting jax here) and JAX_PLATFORMS does not leave the GPU out; `--no-engine-process` parses."""
+    import types
+
+    from lucebox_jax.cli import build_parser
+    from lucebox_jax.serve import engine_process_default
+
+    plugins = types.ModuleType("jax_plugins")
+    plugins.__path__ = [str(tmp_path)]
+    monkeypatch.setitem(sys.modules, "jax_plugins", plugins)
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    assert not engine_process_default()  # the namespace, no plugin in it
+    (tmp_path / "xla_cuda13").mkdir()
+    (tmp_path / "xla_cuda13" / "__init__.py").write_text("")
+    assert engine_process_default()
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert not engine_process_default()
+    monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+    assert engine_process_default()
+    monkeypatch.setitem(sys.modules, "jax_plugins", None)  # no plugin namespace at all: the import fails
+    assert not engine_process_default()
+    p = build_parser()
+    assert p.parse_args(["--serve"]).engine_process is None
+    assert p.parse_args(["--serve", "--no-engine-process"]).engine_process is False
+    assert p.parse_args(["--serve", "--engine-process"]).engine_process is True
+
+
 def test_idle_connection_outlives_pooled_clients_expiry(server):
     """A keep-alive connection idle for 6 s still serves its next request: pooled clients (httpx, the openai client)
     reuse idle connections for up to 5 s, uvicorn's own default; at equal timeouts a reused connection can be closed

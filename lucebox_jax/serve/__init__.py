@@ -8,7 +8,9 @@ server starts, so the rest of the package does not need them.
 
 from __future__ import annotations
 
+import argparse
 import os
+import pkgutil
 import sys
 
 
@@ -35,10 +37,11 @@ def add_serve_arguments(p):
     g.add_argument("--lookahead", action="store_true",
                    help="dispatch each decode call before reading the last one's tokens, so the device never waits "
                         "for the host between calls; a new request joins one call later (--serve and --input jobs; "
-                        "not measured yet; off)")
-    g.add_argument("--engine-process", action="store_true",
+                        "off: on the H200 it made the offline job 7% faster and the server 11% slower)")
+    g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model and its device loop in a process of their own, so the HTTP side does not "
-                        "share one interpreter lock with them (not measured yet; off by default)")
+                        "share one interpreter lock with them (default: on where jax has a GPU plugin, off on the "
+                        "CPU; on the H200 at 32 clients 0.82-0.86 of the offline job's tok/s against 0.78 in-process)")
     g.add_argument("--keep-alive", type=float, default=30.0,
                    help="seconds an idle HTTP connection is kept open (default 30). Longer than the 5 s for which "
                         "pooled clients (httpx, so the openai client) reuse an idle connection: at uvicorn's default "
@@ -90,7 +93,8 @@ def run_serve_from_args(args) -> int:
     llm_kwargs = dict(model=args.model, kernels=args.kernels, max_context=args.max_context,
                       use_checkpoint=not args.no_checkpoint, tensor_parallel=args.tensor_parallel, draft=args.draft,
                       num_draft=args.num_draft)
-    if args.engine_process:  # (before anything starts jax here: the child must have the device to itself)
+    in_child = engine_process_default() if args.engine_process is None else args.engine_process
+    if in_child:  # (before anything starts jax here: the child must have the device to itself)
         from .engine_process import EngineClient
 
         print(f"loading {name} in an engine process ...", file=sys.stderr, flush=True)
@@ -113,6 +117,22 @@ def run_serve_from_args(args) -> int:
                 timeout_graceful_shutdown=2, timeout_keep_alive=args.keep_alive)
     engine.stop()
     return 0
+
+
+def engine_process_default() -> bool:
+    """Whether `--engine-process` is on when not asked: where jax will run on a GPU (a jax CUDA or ROCm plugin is
+    installed and JAX_PLATFORMS does not leave the GPU out), decided without starting jax in this process, which must
+    leave the device to the child. On the H200 it served 0.82-0.86 of the offline job's tok/s at 8 and 32 clients
+    against 0.78 in-process (benchmarks/RESULTS.md, issue 15). On the CPU the device loop is the CPU's own work and a
+    second process only doubles the start-up: off."""
+    platforms = os.environ.get("JAX_PLATFORMS", "").lower()
+    if platforms and not any(p in platforms for p in ("cuda", "gpu", "rocm")):
+        return False
+    try:
+        import jax_plugins  # the namespace package jax finds its PJRT plugins in
+    except ImportError:
+        return False
+    return any(m.name.startswith(("xla_cuda", "xla_rocm")) for m in pkgutil.iter_modules(jax_plugins.__path__))
 
 
 def loop_kwargs(args, steps: int) -> dict:

@@ -7,8 +7,9 @@ in-process loop does). Requests go to the child over a command queue; each job's
 come back over an event queue, which a reader thread hands to the job's sink. A client that goes away sends a
 cancel. vLLM runs its engine core in a process of its own for the same reason.
 
-Off by default: on the H200 the in-process loop's decode calls took 15.6 ms of wall time against the offline job's
-13.2 (2026-12-04, ninth session), which this is meant to recover; it is not measured yet.
+The default where jax has a GPU plugin (`serve.engine_process_default`): on the H200 at 32 clients the server gave
+0.82-0.86 of the offline job's tok/s this way against 0.78 in-process (2026-12-05, benchmarks/RESULTS.md). In-process
+on the CPU, and with `--no-engine-process`.
 """
 
 from __future__ import annotations
