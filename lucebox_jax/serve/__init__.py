@@ -122,9 +122,9 @@ def run_serve_from_args(args) -> int:
 def engine_process_default() -> bool:
     """Whether `--engine-process` is on when not asked: where jax will run on a GPU (a jax CUDA or ROCm plugin is
     installed and JAX_PLATFORMS does not leave the GPU out), decided without starting jax in this process, which must
-    leave the device to the child. On the H200 it served 0.82-0.86 of the offline job's tok/s at 8 and 32 clients
-    against 0.78 in-process (benchmarks/RESULTS.md, issue 15). On the CPU the device loop is the CPU's own work and a
-    second process only doubles the start-up: off."""
+    leave the device to the child. On the H200 at 32 clients it served 0.82-0.86 of the offline job's tok/s against
+    0.78 in-process, and 0.82 at 8 clients (benchmarks/RESULTS.md, issue 15). Off on the CPU, where it was not
+    measured: there the device loop is the CPU's own compute, which a second process does not take off the HTTP side."""
     platforms = os.environ.get("JAX_PLATFORMS", "").lower()
     if platforms and not any(p in platforms for p in ("cuda", "gpu", "rocm")):
         return False
