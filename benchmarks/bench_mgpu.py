@@ -132,7 +132,8 @@ def main():
                     break
                 fn = lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)  # noqa: E731
                 run_sets = psets if cfg.loads == "perm" else msets
-                print(f"  trying {label} g{g} M={m} {cfg}", flush=True)  # a crash in compile names its config
+                # a crash in compile names its config; the elapsed time shows a config started near the budget's end
+                print(f"  trying {label} g{g} M={m} {cfg} at {time.time() - t0:.0f} s", flush=True)
                 try:
                     t_c = time.time()
                     err = check(jax.jit(fn), sets[0][0], sets[0][1], run_sets[0][1])
