@@ -37,7 +37,7 @@ def add_serve_arguments(p):
     g.add_argument("--lookahead", action="store_true",
                    help="dispatch each decode call before reading the last one's tokens, so the device never waits "
                         "for the host between calls; a new request joins one call later (--serve and --input jobs; "
-                        "off: on the H200 it made the offline job 7% faster and the server 11% slower)")
+                        "off: on the H200 the server ran 11% slower with it)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model and its device loop in a process of their own, so the HTTP side does not "
                         "share one interpreter lock with them (default: on where jax has a GPU plugin, off on the "
