@@ -124,13 +124,40 @@ def print_profile(p: dict):
             print(f"  {r['name'][:60]:60} {r['launches']:7.1f} {r['us']:9.2f} {100 * r['us'] / busy:6.1f}")
 
 
+VARIANTS = {  # how the step is built, beside its kernels (--variants): what the engine does now, and what it did
+    "engine": "greedy fixed on the host (LLM.generate's RowParams), one-row norms scaled after the matmul",
+    "dynamic_sampling": "the sampling branch chosen on device (one lax.switch a step; the scheduler's slots do so)",
+    "norm_first": "one-row norms applied before the matmul (rms_norm; 2 kernels more a layer)",
+    "attn_combine_xla": "the decode attention's splits merged by XLA fusions (LUCEBOX_ATTN_COMBINE=xla)",
+}
+
+
 def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_tokens: int, reps: int,
-                profile: bool = False):
+                profile: bool = False, variant: str = "engine"):
+    from lucebox_jax import model as model_mod
+
+    model_mod.DEFER_ONE_ROW_NORM = variant != "norm_first"  # both read when the step is traced
+    old_combine = os.environ.get("LUCEBOX_ATTN_COMBINE")
+    if variant == "attn_combine_xla":
+        os.environ["LUCEBOX_ATTN_COMBINE"] = "xla"
+    try:
+        return _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profile, variant)
+    finally:
+        model_mod.DEFER_ONE_ROW_NORM = True
+        if old_combine is None:
+            os.environ.pop("LUCEBOX_ATTN_COMBINE", None)
+        else:
+            os.environ["LUCEBOX_ATTN_COMBINE"] = old_combine
+
+
+def _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profile, variant):
     s = ctx + n_tokens + 16
     s = ((s + 255) // 256) * 256
     cache = init_cache(cfg, batch, s)
     cache = cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))  # positions hold zeros: same cost as real KV
-    rp = RowParams.from_params([SamplingParams(temperature=0)] * batch)
+    rp = RowParams.from_params([SamplingParams(temperature=0)] * batch, static=variant != "dynamic_sampling")
+    if variant in ("norm_first", "attn_combine_xla"):  # a distinct static field: this variant is traced apart
+        rp = rp.replace(penalized={"norm_first": None, "attn_combine_xla": True}[variant])
     seen = jnp.zeros((batch, cfg.vocab_size), bool)
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
     first, seen = sample_first(logits, rp, jnp.full((batch,), ctx), seen)
@@ -162,7 +189,7 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
                 * jnp.dtype(cfg.dtype).itemsize)
     w_bytes = weight_nbytes(weights) - weights.embed.table.nbytes - (
         weights.embed.scales.nbytes if weights.embed.scales is not None else 0) + batch * cfg.dim * 3
-    r = dict(model=name, kernels=kernels.describe(), batch=batch, ctx=ctx, ms_per_step=dt * 1e3,
+    r = dict(model=name, kernels=kernels.describe(), variant=variant, batch=batch, ctx=ctx, ms_per_step=dt * 1e3,
              tok_s=batch / dt, step_bytes=w_bytes + kv_bytes, weight_bytes=w_bytes, kv_bytes=kv_bytes,
              kernels_per_step=n_kernels, compile_s=compile_s,
              tokens_sha=hashlib.sha1(np.asarray(bufs.tokens).tobytes()).hexdigest()[:12])  # same tokens <=> same math
@@ -201,7 +228,12 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true", help="per-kernel GPU time per step (JAX profiler), per row")
     ap.add_argument("--kernels-module", default=None, help="module whose @ops.register calls add kernels to compare")
+    ap.add_argument("--variants", default="engine", help="comma list of " + ", ".join(
+        f"{k} ({v})" for k, v in VARIANTS.items()))
     args = ap.parse_args()
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if bad:
+        ap.error(f"unknown --variants {bad}; valid: {', '.join(VARIANTS)}")
     if args.kernels_module:
         ops.import_kernel_module(args.kernels_module)
     backend = jax.default_backend()
@@ -235,34 +267,38 @@ def main():
                 if is_xla and (b not in [int(x) for x in args.xla_batches.split(",")] or
                                (model == "llama3-8b" and b != 1)):
                     continue  # the XLA baseline only where it is compared (compiles are the cost)
-                try:
-                    if ks not in prepared:  # kernels that repack weights (mgpu) do it once per kernel set
-                        prepared.clear()
-                        prepared[ks] = ops.prepare_weights(weights, ks)
-                    r = bench_model(model, cfg, prepared[ks], ks, b, args.ctx, args.tokens, args.reps, args.profile)
-                except Exception as e:  # one failing kernel set must not lose the rest of the run
-                    r = dict(model=model, kernels=ks.describe(), batch=b, error=f"{type(e).__name__}: {e}"[:300])
-                if "tok_s" in r:
-                    r["bw_fraction"] = r["step_bytes"] / (r["ms_per_step"] / 1e3) / bw
-                results["rows"].append(r)
-                print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
-                if "profile" in r:
+                for variant in args.variants.split(","):
                     try:
-                        print_profile(r["profile"])
-                    except Exception as e:  # noqa: BLE001
-                        print(f"  profile print failed: {type(e).__name__}: {e}")
-                    sys.stdout.flush()
-                with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
-                    json.dump(results, f, indent=1)
+                        if ks not in prepared:  # kernels that repack weights (mgpu) do it once per kernel set
+                            prepared.clear()
+                            prepared[ks] = ops.prepare_weights(weights, ks)
+                        r = bench_model(model, cfg, prepared[ks], ks, b, args.ctx, args.tokens, args.reps,
+                                        args.profile, variant)
+                    except Exception as e:  # one failing kernel set must not lose the rest of the run
+                        r = dict(model=model, kernels=ks.describe(), variant=variant, batch=b,
+                                 error=f"{type(e).__name__}: {e}"[:300])
+                    if "tok_s" in r:
+                        r["bw_fraction"] = r["step_bytes"] / (r["ms_per_step"] / 1e3) / bw
+                    results["rows"].append(r)
+                    print(json.dumps({k: v for k, v in r.items() if k != "profile"}), flush=True)
+                    if "profile" in r:
+                        try:
+                            print_profile(r["profile"])
+                        except Exception as e:  # noqa: BLE001
+                            print(f"  profile print failed: {type(e).__name__}: {e}")
+                        sys.stdout.flush()
+                    with open(os.path.join(out_dir, "bench_decode.json"), "w") as f:
+                        json.dump(results, f, indent=1)
         del weights, prepared
     print(f"\nresults: {os.path.join(out_dir, 'bench_decode.json')}")
     print(f"copy bandwidth {bw / 1e9:.0f} GB/s; {results['device']}; jax {jax.__version__}")
     print(f"{'model':14} {'kernels':40} {'B':>3} {'ms/step':>8} {'tok/s':>9} {'MB/step':>8} {'%bw':>5} {'launch':>6}")
     for r in results["rows"]:
+        label = short(r["kernels"]) + ("" if r.get("variant", "engine") == "engine" else f" [{r['variant']}]")
         if "error" in r:
-            print(f"{r['model']:14} {short(r['kernels'])[:40]:40} {r['batch']:>3} ERROR {r['error'][:60]}")
+            print(f"{r['model']:14} {label[:40]:40} {r['batch']:>3} ERROR {r['error'][:60]}")
             continue
-        print(f"{r['model']:14} {short(r['kernels'])[:40]:40} {r['batch']:>3} {r['ms_per_step']:8.3f} "
+        print(f"{r['model']:14} {label[:40]:40} {r['batch']:>3} {r['ms_per_step']:8.3f} "
               f"{r['tok_s']:9.0f} "
               f"{r['step_bytes'] / 1e6:8.1f} {100 * r['bw_fraction']:5.1f} {r['kernels_per_step']:>6}")
 

@@ -10,7 +10,8 @@
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
 # PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch; PDL_SETS, default `best` only); MS (rows, default 1) and
 # DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS;
-# ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
+# DECODE_VARIANTS (bench_decode --variants, e.g. engine,dynamic_sampling,norm_first,attn_combine_xla) and
+# DECODE_MODELS (default llama3-8b) widen the step's run; ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
 # verify of 9 rows and of a 32-node tree with attention_tree=xla, then =pallas (bench_spec.py part B).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -50,7 +51,8 @@ fi
 if [ "${DECODE:-0}" = 1 ]; then
   SETS=${DECODE_SETS:-qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas}
   DUMP_HLO=$([ "${PROFILE:-0}" = 1 ] && echo "$OUT") timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
-    --models llama3-8b --batches "${DECODE_BATCHES:-1}" --xla-batches '' --kernel-sets "$SETS" --reps 2 \
+    --models "${DECODE_MODELS:-llama3-8b}" --batches "${DECODE_BATCHES:-1}" --xla-batches '' --kernel-sets "$SETS" \
+    --reps 2 --variants "${DECODE_VARIANTS:-engine}" \
     $([ "${PROFILE:-0}" = 1 ] && echo --profile) > "$OUT/decode.log" 2>&1  # (PROFILE=1 also keeps the step's HLO)
   if [ "${PDL_AB:-0}" = 1 ]; then  # the same step with programmatic dependent launch (LUCEBOX_MGPU_PDL=1)
     LUCEBOX_MGPU_PDL=1 timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py --models llama3-8b \

@@ -253,7 +253,7 @@ class LLM:
         cache = eng.new_cache(b, self.spec.cache_len(need) if self.spec else eng.cache_len_for(need))
         want_prompt_lp = any(r.params.prompt_logprobs is not None for r in reqs)
         n_lp = max([r.params.logprobs or 0 for r in reqs] + [0])
-        rp = RowParams.from_params([dataclasses.replace(r.params, seed=r.seed) for r in reqs])
+        rp = RowParams.from_params([dataclasses.replace(r.params, seed=r.seed) for r in reqs], static=True)
         last, per_pos, cache = eng.prefill(cache, [r.ids for r in reqs], all_logits=want_prompt_lp)
         lens = np.array([len(r.ids) for r in reqs], np.int32)
         seen = eng.new_seen([r.ids for r in reqs])
@@ -346,7 +346,7 @@ class LLM:
         t0 = time.perf_counter()
         cache = eng.new_cache(1, self.spec.cache_len(len(r.ids) + max_new) if self.spec else
                               eng.cache_len_for(len(r.ids) + max_new))
-        rp = RowParams.from_params([dataclasses.replace(params, seed=r.seed)])
+        rp = RowParams.from_params([dataclasses.replace(params, seed=r.seed)], static=True)
         last, _, cache = eng.prefill(cache, [r.ids])
         seen = eng.new_seen([r.ids])
         out, seen = eng.first_token(last, rp, [len(r.ids)], seen)

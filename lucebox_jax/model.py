@@ -97,6 +97,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
     )
 
 
+# one-row norms scaled after their matmul (normed_linear); False: before it, as rms_norm (benchmarks A/B this)
+DEFER_ONE_ROW_NORM = True
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16
 
@@ -125,6 +127,30 @@ def rms_norm(x, w, eps):
     ms = ordered_row_sum(sq) / sq.shape[-1] if quant.ROW_INVARIANT else jnp.mean(sq, axis=-1, keepdims=True)
     y = xf * jax.lax.rsqrt(ms + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rms_norm_deferred(x, w, eps):
+    """RMS norm with its per-row scale left for later: -> (x * w in x's dtype, r [.., 1] float32), so that
+    rms_norm(x, w) @ W == r * ((x * w) @ W). The caller applies r to the matmul's output, inside the fusion that
+    already reads it. At one row XLA runs a norm as two kernels (a reduction to a scalar, then the scaling that waits
+    for it); here the reduction and x * w read x side by side and no kernel waits on the reduction: 2 kernels fewer
+    a layer, 64 of 595 in an 8B decode step (`benchmarks/kernel_count.py`). Row-invariant mode keeps `rms_norm`."""
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (xf * w.astype(jnp.float32)).astype(x.dtype), r
+
+
+def normed_linear(x, norm_w, eps, lw_w, bias=None, *, kernels):
+    """linear(rms_norm(x, norm_w), lw_w) + bias. For one row the norm's scale is applied after the matmul
+    (rms_norm_deferred); for more rows XLA already makes the norm one kernel, and deferring it measured more kernels
+    (a tree step: 602 -> 619). Row-invariant mode always normalizes first (bit-exact rows)."""
+    if quant.ROW_INVARIANT or math.prod(x.shape[:-1]) != 1 or not DEFER_ONE_ROW_NORM:
+        return linear(rms_norm(x, norm_w, eps), lw_w, bias, kernels=kernels)
+    h, r = rms_norm_deferred(x, norm_w, eps)
+    y = linear(h, lw_w, kernels=kernels).astype(jnp.float32) * r
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(x.dtype)
 
 
 def rope(x, positions, theta, interleaved, pos_scale=1.0):
@@ -222,8 +248,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     attn = ops.get("attention_decode" if by_rows else "attention_prefill",
                    kernels.attention_decode if by_rows else kernels.attention_prefill)
     for i, lw in enumerate(w.layers):
-        h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
-        qkv = linear(h, lw.wqkv, lw.bqkv, kernels=kernels)
+        qkv = normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels)
         q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
         q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
         if lw.q_norm is not None:
@@ -255,9 +280,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             o = attn(q, kc, vc, start, scale=scale, **extra)
         o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
         x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
-        h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-        gate, up = split_parts(linear(h, lw.w_gate_up, kernels=kernels), lw.gate_up_groups,
-                               (cfg.ffn_dim, cfg.ffn_dim))
+        gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels),
+                               lw.gate_up_groups, (cfg.ffn_dim, cfg.ffn_dim))
         act = _ACTIVATIONS[cfg.activation](gate.astype(jnp.float32))
         o = linear((act * up.astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
         x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))

@@ -122,10 +122,23 @@ class RowParams:
     min_p: jax.Array
     rep_penalty: jax.Array
     keys: jax.Array  # [B, 2] uint32 raw PRNG keys
+    # Known on the host for rows fixed for a whole call (`from_params(static=True)`): the sampling mode (0 greedy,
+    # 1 temperature only, 2 top-k/top-p; None: decided on device) and whether any row has a repetition penalty.
+    # Static, so jit compiles the one branch instead of a `lax.cond`/`switch`: on the GPU each conditional copies
+    # its predicate to the host and waits (a speculative chain step had 4).
+    mode: int | None = struct.field(pytree_node=False, default=None)
+    penalized: bool | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], default_seed: int = 0) -> "RowParams":
+    def from_params(cls, params: list[SamplingParams], default_seed: int = 0, *, static: bool = False) -> "RowParams":
+        """static=True: fix `mode` and `penalized` from these rows (for a call whose rows never change; a batch
+        whose rows are replaced on device, as the scheduler's slots are, keeps them dynamic)."""
         seeds = [p.seed if p.seed is not None else default_seed + i for i, p in enumerate(params)]
+        mode = penalized = None
+        if static:
+            sampled = [p for p in params if p.temperature > 0]
+            mode = 0 if not sampled else 2 if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else 1
+            penalized = any(p.repetition_penalty != 1.0 for p in params)
         # built on the host in their final dtypes and sent in one device_put: jnp.asarray of a list would add an
         # eager conversion op per field (a dispatch each; a scheduler admission makes one RowParams)
         return jax.device_put(cls(
@@ -135,6 +148,7 @@ class RowParams:
             min_p=np.asarray([p.min_p for p in params], np.float32),
             rep_penalty=np.asarray([p.repetition_penalty for p in params], np.float32),
             keys=seed_keys([s % SEED_LIMIT for s in seeds]),
+            mode=mode, penalized=penalized,
         ))
 
 
@@ -181,9 +195,18 @@ def by_temperature(rp, vocab: int, greedy, stochastic, *operands):
     stochastic(*operands, sort=...), with sort=False when no row asks for top-k or top-p, so that temperature-only
     sampling (the OpenAI default) does not sort the [B, V] logits (a full sort per distribution: a speculative step
     filters 2K + 1 of them)."""
+    branches = [greedy, functools.partial(stochastic, sort=False), functools.partial(stochastic, sort=True)]
+    if rp.mode is not None:  # known on the host: no conditional
+        return branches[rp.mode](*operands)
     mode = jnp.where(jnp.any(rp.temperature > 0), jnp.where(needs_sort(rp, vocab), 2, 1), 0)
-    return jax.lax.switch(mode, [greedy, functools.partial(stochastic, sort=False),
-                                 functools.partial(stochastic, sort=True)], *operands)
+    return jax.lax.switch(mode, branches, *operands)
+
+
+def if_penalized(rp, penalize, x):
+    """penalize(x) where some row has a repetition penalty, else x (a `lax.cond` unless `rp.penalized` is static)."""
+    if rp.penalized is not None:
+        return penalize(x) if rp.penalized else x
+    return jax.lax.cond(jnp.any(rp.rep_penalty != 1.0), penalize, lambda y: y, x)
 
 
 def row_keys(keys, positions):
@@ -217,6 +240,24 @@ def top_logprobs(logits, k: int):
         vals = jnp.zeros(lp.shape[:-1] + (0,), jnp.float32)
         ids = jnp.zeros(lp.shape[:-1] + (0,), jnp.int32)
     return lp, ids.astype(jnp.int32), vals
+
+
+def top_k_wide(x, k: int, chunk: int = 1024):
+    """`lax.top_k` over a long last axis (a vocabulary) in two stages: the top k of each `chunk`-wide slice, then the
+    top k of those. Same values and indices as `lax.top_k` (ties go to the lower index in both). On the H200, XLA's
+    top-k kernel ran one block per row: 66 us for 8 rows of 49,152 (the eagle tree's frontier), 13% of a tree step;
+    the slices give it 48 times the rows to spread over the SMs."""
+    n = x.shape[-1]
+    if n <= 2 * chunk or k > chunk:
+        return jax.lax.top_k(x, k)
+    c = -(-n // chunk)
+    pad = c * chunk - n
+    if pad:
+        x = jnp.concatenate([x, jnp.full(x.shape[:-1] + (pad,), -jnp.inf, x.dtype)], axis=-1)
+    vals, idx = jax.lax.top_k(x.reshape(*x.shape[:-1], c, chunk), k)  # [..., c, k]
+    idx = idx + (jnp.arange(c, dtype=idx.dtype) * chunk)[:, None]
+    vals, pick = jax.lax.top_k(vals.reshape(*x.shape[:-1], c * k), k)
+    return vals, jnp.take_along_axis(idx.reshape(*x.shape[:-1], c * k), pick, axis=-1)
 
 
 def np_filter_reference(logits, temperature, top_k, top_p, min_p):

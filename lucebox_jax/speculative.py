@@ -37,7 +37,7 @@ from .engine import MIN_CACHE, Engine, StepOut, pow2_at_least, stop_matrix
 from .errors import InvalidSamplingParamsError
 from .model import KVCache, Weights, forward
 from .ops import KernelSet
-from .sampling import RowParams, by_temperature, filter_logits
+from .sampling import RowParams, by_temperature, filter_logits, if_penalized
 
 TAG_DRAFT, TAG_ACCEPT, TAG_RESAMPLE = 1, 2, 3
 AUTO_K = (1, 2, 4, 8)
@@ -120,8 +120,7 @@ def accept_tokens(logits, drafts, q, rp: RowParams, pos0, seen=None):
     b, k1, v = logits.shape
     k = k1 - 1
     if seen is not None:
-        logits = jax.lax.cond(jnp.any(rp.rep_penalty != 1.0),
-                              lambda x: _penalize(x, seen, drafts, rp.rep_penalty), lambda x: x, logits)
+        logits = if_penalized(rp, lambda x: _penalize(x, seen, drafts, rp.rep_penalty), logits)
     arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, K+1]
     n_g = jnp.sum(jnp.cumprod((drafts == arg[:, :k]).astype(jnp.int32), axis=1), axis=1)
     next_g = jnp.take_along_axis(arg, n_g[:, None], axis=1)[:, 0]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from .model import KVCache, _write_kv, forward
-from .sampling import by_temperature, filter_logits
+from .sampling import by_temperature, filter_logits, if_penalized
 
 TAG_TREE = 4
 
@@ -160,7 +160,7 @@ def tree_verify(cfg, kernels, weights, cache: KVCache, tok, tokens, parent, dept
             pen = rp.rep_penalty[:, None, None]
             return jnp.where(seen_i, jnp.where(x > 0, x / pen, x * pen), x)
 
-        logits = jax.lax.cond(jnp.any(rp.rep_penalty != 1.0), penalize, lambda x: x, logits)
+        logits = if_penalized(rp, penalize, logits)
     n, path, nxt = tree_accept(logits, tokens, parent, depths, rp, rp.keys, start + 1, width, depth)
     cache = move_path_kv(cache, start, path, depth)
     along = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # window indices of the committed chain

@@ -104,3 +104,36 @@ def test_stop_ids_and_row_max(eng):
 def test_buckets():
     assert bucket(1) == 16 and bucket(17) == 32 and bucket(512) == 512 and bucket(5000) == 512
     assert pow2_at_least(300, 256) == 512 and pow2_at_least(3, 256) == 256
+
+
+def test_one_row_norm_is_applied_after_the_matmul():
+    """normed_linear at one row scales the matmul's output by the norm's 1 / rms (2 kernels fewer a layer on the GPU);
+    the product is rms_norm's then matmul's to bf16 rounding, and more rows (or row-invariant mode) take the plain
+    path exactly."""
+    from lucebox_jax import quant
+    from lucebox_jax.model import normed_linear, rms_norm
+    from lucebox_jax.quant import linear
+
+    lw = eng_weights().layers[0]
+    rng = np.random.default_rng(5)
+    for rows in (1, 3):
+        x = jnp.asarray(rng.standard_normal((rows, 1, CFG.dim)) * 40, jnp.bfloat16)
+        want = linear(rms_norm(x, lw.attn_norm, CFG.rms_eps), lw.wqkv, kernels=KS).astype(jnp.float32)
+        got = normed_linear(x, lw.attn_norm, CFG.rms_eps, lw.wqkv, kernels=KS).astype(jnp.float32)
+        if rows == 1:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0.03, atol=0.03 * float(jnp.abs(want).max()))
+            assert not np.array_equal(np.asarray(got), np.asarray(want))  # (the deferred path really ran)
+        else:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    quant.ROW_INVARIANT, old = True, quant.ROW_INVARIANT
+    try:
+        x1 = x[:1]
+        np.testing.assert_array_equal(
+            np.asarray(normed_linear(x1, lw.attn_norm, CFG.rms_eps, lw.wqkv, kernels=KS)),
+            np.asarray(linear(rms_norm(x1, lw.attn_norm, CFG.rms_eps), lw.wqkv, kernels=KS)))
+    finally:
+        quant.ROW_INVARIANT = old
+
+
+def eng_weights():
+    return random_weights(CFG, jax.random.key(3), group_size=32, asymmetric=True)

@@ -1,7 +1,10 @@
 """Sampling: the top-k/top-p/min-p masks against a plain NumPy twin, seeds, per-row independence, the temperature
 distribution, the repetition-penalty rule and parameter validation."""
 
+import dataclasses
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -54,6 +57,65 @@ def test_temperature_only_rows_skip_the_sort_with_the_same_result():
 
 def rp_of(params):
     return RowParams.from_params(params)
+
+
+def _primitives(jaxpr):
+    """Every primitive name in a closed jaxpr, sub-jaxprs included."""
+    out = set()
+    for eqn in jaxpr.eqns:
+        out.add(eqn.primitive.name)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= _primitives(sub)
+    return out
+
+
+@pytest.mark.parametrize("params,mode", [
+    ([SamplingParams(temperature=0, seed=1)] * 2, 0),
+    ([SamplingParams(temperature=0), SamplingParams(temperature=0.7, seed=2)], 1),
+    ([SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)], 2),
+    ([SamplingParams(temperature=0.9, top_k=5), SamplingParams(temperature=0, top_p=0.5)], 2),
+    ([SamplingParams(temperature=0, top_k=5)], 0),  # a greedy row's top-k is never used
+])
+def test_static_mode_fixes_the_branch_and_draws_the_same_tokens(params, mode):
+    """`from_params(static=True)` decides the sampling branch on the host: the traced step has no conditional (each
+    costs a device-to-host copy and a wait on the GPU), and draws exactly the tokens of the on-device choice."""
+    from lucebox_jax.speculative import accept_tokens
+
+    rng = np.random.default_rng(mode)
+    b, v = len(params), 300
+    logits = jnp.asarray(rng.standard_normal((b, v)).astype(np.float32) * 3)
+    pos = jnp.arange(b, dtype=jnp.int32) + 7
+    dyn, fixed = RowParams.from_params(params), RowParams.from_params(params, static=True)
+    assert (dyn.mode, fixed.mode, fixed.penalized) == (None, mode, False)
+    for i in range(4):
+        np.testing.assert_array_equal(np.asarray(sample(logits, fixed, pos + i)), np.asarray(sample(logits, dyn, pos + i)))
+    seen = jnp.zeros((b, v), bool)
+    assert "cond" in _primitives(jax.make_jaxpr(lambda lg, rp: _sample(lg, rp, pos, seen))(logits, dyn).jaxpr)
+    assert "cond" not in _primitives(jax.make_jaxpr(lambda lg, rp: _sample(lg, rp, pos, seen))(logits, fixed).jaxpr)
+    # speculative acceptance (with the repetition-penalty switch) likewise
+    vlog = jnp.asarray(rng.standard_normal((b, 3, v)).astype(np.float32) * 3)
+    drafts = jnp.argmax(vlog[:, :2], axis=-1).astype(jnp.int32).at[:, 1].set(5)
+    acc = jax.jit(lambda rp: accept_tokens(vlog, drafts, None, rp, pos, seen))
+    for x, y in zip(acc(fixed), acc(dyn)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    jx = jax.make_jaxpr(lambda rp: accept_tokens(vlog, drafts, None, rp, pos, seen))(fixed).jaxpr
+    assert "cond" not in _primitives(jx)
+    pen = RowParams.from_params([dataclasses.replace(params[0], repetition_penalty=1.3)] + params[1:], static=True)
+    assert pen.penalized is True
+
+
+def test_top_k_wide_equals_lax_top_k():
+    """The two-stage top-k (slices, then their winners) gives lax.top_k's values and indices, ties included, for
+    widths that are and are not a multiple of the slice."""
+    from lucebox_jax.sampling import top_k_wide
+
+    rng = np.random.default_rng(0)
+    for shape, k, chunk in [((8, 49152), 8, 1024), ((2, 3, 5000), 4, 1024), ((4, 700), 16, 64), ((3, 100), 3, 64)]:
+        x = np.round(rng.standard_normal(shape) * 4) / 4  # many equal values
+        want = jax.lax.top_k(jnp.asarray(x, jnp.float32), k)
+        got = top_k_wide(jnp.asarray(x, jnp.float32), k, chunk=chunk)
+        for a, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
 
 
 def test_seed_reproducible_and_batch_independent():

@@ -32,6 +32,7 @@ from .. import ops
 from ..engine import Engine, pow2_at_least
 from ..model import EmbedTable, _write_kv, forward, init_cache, rms_norm, rope
 from ..quant import linear
+from ..sampling import top_k_wide
 from .base import DraftError, Drafter, register
 
 HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
@@ -259,7 +260,7 @@ class EagleDrafter(Drafter):
         dt = jnp.dtype(hc.dtype)
         b, w = tok.shape[0], width
         lp = jax.nn.log_softmax(head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels))
-        score, ftok = jax.lax.top_k(lp, w)  # [B, W]
+        score, ftok = top_k_wide(lp, w)  # [B, W]
         g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
         ck = jnp.zeros((b, w, depth, hc.n_kv_heads, hc.head_dim), dt)
         cv = jnp.zeros_like(ck)
@@ -279,7 +280,7 @@ class EagleDrafter(Drafter):
                                cv.reshape(b, w * depth, *cv.shape[3:]), anc, scale=1.0 / math.sqrt(hc.head_dim))
             h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
             lp = jax.nn.log_softmax(head_logits(hc, params.head, h, params.lm_head, self.target.kernels))
-            top_lp, top_tok = jax.lax.top_k(lp, w)  # [B, W, W]
+            top_lp, top_tok = top_k_wide(lp, w)  # [B, W, W]
             cand = (score[:, :, None] + top_lp).reshape(b, w * w)
             cands.append((top_tok.reshape(b, w * w), cand, jnp.repeat(frontier, w, axis=1), d + 1))
             score, best = jax.lax.top_k(cand, w)
