@@ -304,7 +304,7 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
     w = jax.eval_shape(lambda: ops.prepare_weights(synthetic.random_weights(cfg, jax.random.key(0), args.group),
                                                    ks))
     cache = jax.eval_shape(lambda: init_cache(cfg, b, args.context))
-    rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b)
+    rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b, static=True)  # as LLM.generate runs it
     seen = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.bool_)
     tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
     return compile_for(dev, engine.decode_step, (cfg, ks), (w, cache, tokens, rp, seen), n_logprobs=0)
