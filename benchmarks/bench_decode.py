@@ -214,7 +214,7 @@ def short(kernels: str) -> str:
     return ",".join(diff) or "default"
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--small", action="store_true", help="tiny CPU smoke run")
     ap.add_argument("--models", default="smollm2-135m,llama3-8b")
@@ -230,7 +230,7 @@ def main():
     ap.add_argument("--kernels-module", default=None, help="module whose @ops.register calls add kernels to compare")
     ap.add_argument("--variants", default="engine", help="comma list of " + ", ".join(
         f"{k} ({v})" for k, v in VARIANTS.items()))
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     bad = [v for v in args.variants.split(",") if v not in VARIANTS]
     if bad:
         ap.error(f"unknown --variants {bad}; valid: {', '.join(VARIANTS)}")
