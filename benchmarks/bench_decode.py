@@ -136,7 +136,8 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
                 profile: bool = False, variant: str = "engine"):
     from lucebox_jax import model as model_mod
 
-    model_mod.DEFER_ONE_ROW_NORM = variant != "norm_first"  # both read when the step is traced
+    jax.clear_caches()  # the switches below are read when the step is traced: each variant traces afresh
+    model_mod.DEFER_ONE_ROW_NORM = variant != "norm_first"
     old_combine = os.environ.get("LUCEBOX_ATTN_COMBINE")
     if variant == "attn_combine_xla":
         os.environ["LUCEBOX_ATTN_COMBINE"] = "xla"
@@ -156,8 +157,6 @@ def _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profil
     cache = init_cache(cfg, batch, s)
     cache = cache.replace(lengths=jnp.full((batch,), ctx, jnp.int32))  # positions hold zeros: same cost as real KV
     rp = RowParams.from_params([SamplingParams(temperature=0)] * batch, static=variant != "dynamic_sampling")
-    if variant in ("norm_first", "attn_combine_xla"):  # a distinct static field: this variant is traced apart
-        rp = rp.replace(penalized={"norm_first": None, "attn_combine_xla": True}[variant])
     seen = jnp.zeros((batch, cfg.vocab_size), bool)
     logits = jnp.zeros((batch, cfg.vocab_size), jnp.float32)
     first, seen = sample_first(logits, rp, jnp.full((batch,), ctx), seen)
