@@ -220,7 +220,11 @@ def compile_for(dev, fn, static: tuple, arrays: tuple, **static_kw) -> str:
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), arrays)
     with gpu_tracing():
         lowered = fn.trace(*static, *abstract, **static_kw).lower()
-    return lowered.compile().as_text()
+    text = lowered.compile().as_text()
+    if os.environ.get("DUMP_HLO"):  # the compiled module, to read what a count is made of (DUMP_HLO=<folder>)
+        with open(os.path.join(os.environ["DUMP_HLO"], f"hlo_{jitted_name(text) or 'step'}.txt"), "w") as f:
+            f.write(text)
+    return text
 
 
 # ------------------------------------------------------------------------------------------------ configurations
