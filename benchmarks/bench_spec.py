@@ -92,8 +92,11 @@ def bench_embedded(args):
         return secs, toks, stats
 
     configs = [(d, k, None) for k in sorted(ks, key=lambda k: (k != 4, k)) for d in drafters]  # K=4 of each first
-    if args.tree:  # eagle drafters also with tree verification
-        configs[1:1] = [(d, k, args.tree) for d, k, _ in configs if d.startswith("eagle") and k == 4]
+    trees = [(int(x.split("@")[0]), int(x.split("@")[1]) if "@" in x else 4) for x in str(args.tree).split(",")
+             if x.strip() and int(x.split("@")[0])]
+    eagles = [d for d in drafters if d.startswith("eagle")]
+    for n, k in reversed(trees):  # eagle drafters also with tree verification (each size given, in that order)
+        configs[1:1] = [(d, k, n) for d in eagles]
     if args.self_draft:
         configs.append((f"model:{args.model or default_model_path()}", args.self_draft_k, None))
     for temp in temps:  # warm the plain path
@@ -236,7 +239,7 @@ def bench_synthetic(args):
     def tree_fn(nodes, depth=4):
         from lucebox_jax.tree import tree_verify
 
-        w = nodes // depth
+        w = -(-nodes // depth)  # (15 nodes: 4 chains, the last one a node short)
         parent = jnp.asarray([[0 if i < w else i - w + 1 for i in range(nodes)]], jnp.int32)  # w chains of `depth`
         depths = jnp.asarray([[1 + i // w for i in range(nodes)]], jnp.int32)
 
@@ -334,7 +337,9 @@ def main():
     ap.add_argument("--no-synthetic", action="store_true")
     ap.add_argument("--drafters", default=None)
     ap.add_argument("--ks", default=None)
-    ap.add_argument("--tree", type=int, default=32, help="eagle drafters at K=4 also with a tree of N nodes (0: off)")
+    ap.add_argument("--tree", default="32", help="eagle drafters also with a tree of N nodes at depth 4, or N@K at "
+                    "depth K (width N // K), a comma list (0: off); e.g. 15@5: 15 nodes + root verify as 16 rows, "
+                    "the matmul kernels' small-M configuration")
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
