@@ -507,6 +507,7 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
 
     from .engine import check_fits
     from .llm import Request, find_stop
+    from .sampling import static_sampling
     from .scheduler import Scheduler, SlotRequest
 
     eng, tok = llm.engine, llm.tokenizer
@@ -528,8 +529,11 @@ def _generate(cfg: JobConfig, llm, todo: list[Item], summ: JobSummary, t_start: 
         from .spec_batch import BatchSpec
 
         spec = BatchSpec.from_decoder(llm.spec, max_slots=cfg.spec_max_slots, min_accept=cfg.spec_min_accept)
+    # every request is known: the decode calls compile the one sampling branch they need (no conditional)
+    sampling = static_sampling([it.params for it in todo if it.params is not None])
     sched = Scheduler(eng, slots=slots, max_len=max_len, steps_per_call=steps,
-                      max_prefill_batch=min(8, slots), stop_check=stop_check, spec=spec, lookahead=cfg.lookahead)
+                      max_prefill_batch=min(8, slots), stop_check=stop_check, spec=spec, lookahead=cfg.lookahead,
+                      sampling=sampling)
     if spec is not None:
         log(f"speculative: {spec.describe()}" if sched.spec is not None else sched.spec_note)
     signals = _Signals()

@@ -23,7 +23,7 @@ from .engine import Engine, StepOut, enable_compilation_cache
 from .errors import EmptyPromptError, InvalidRequestError, InvalidSamplingParamsError, PromptTooLongError
 from .loader import load_model, model_name
 from .ops import KernelSet
-from .sampling import RowParams, SamplingParams, is_int, utf8_ok
+from .sampling import RowParams, SamplingParams, is_int, static_sampling, utf8_ok
 from .tokenizer import StreamDecoder, Tokenizer
 
 
@@ -217,7 +217,8 @@ class LLM:
             from .spec_batch import BatchSpec
 
             spec = BatchSpec.from_decoder(self.spec)
-        sched = Scheduler(self.engine, slots=self.max_batch, max_len=max_len, spec=spec)
+        sched = Scheduler(self.engine, slots=self.max_batch, max_len=max_len, spec=spec,
+                          sampling=static_sampling([r.params for r in sreqs]))
         outs: list[RequestOutput | None] = [None] * len(reqs)
         bar = None
         if use_tqdm:

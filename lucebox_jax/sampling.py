@@ -87,6 +87,15 @@ class SamplingParams:
         return self.temperature == 0
 
 
+def static_sampling(params) -> tuple[int, bool]:
+    """(mode, penalized) that serve all of `params`: mode 0 every row greedy, 1 some row sampled by temperature alone,
+    2 some sampled row asks top-k or top-p (the sorting filters; `by_temperature`); penalized: some repetition
+    penalty. A larger mode serves every row a smaller one does (greedy rows stay greedy in every branch)."""
+    sampled = [p for p in params if p.temperature > 0]
+    mode = 0 if not sampled else 2 if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else 1
+    return mode, any(p.repetition_penalty != 1.0 for p in params)
+
+
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -130,15 +139,21 @@ class RowParams:
     penalized: bool | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], default_seed: int = 0, *, static: bool = False) -> "RowParams":
-        """static=True: fix `mode` and `penalized` from these rows (for a call whose rows never change; a batch
-        whose rows are replaced on device, as the scheduler's slots are, keeps them dynamic)."""
+    def from_params(cls, params: list[SamplingParams], default_seed: int = 0, *, static: bool = False,
+                    fixed: tuple[int, bool] | None = None) -> "RowParams":
+        """static=True: fix `mode` and `penalized` from these rows (for a call whose rows never change). fixed:
+        (mode, penalized) decided beforehand for every request a scheduler will see (`static_sampling`); these rows
+        must not need more. Without either they are decided on device."""
         seeds = [p.seed if p.seed is not None else default_seed + i for i, p in enumerate(params)]
         mode = penalized = None
         if static:
-            sampled = [p for p in params if p.temperature > 0]
-            mode = 0 if not sampled else 2 if any(p.top_k > 0 or p.top_p < 1.0 for p in sampled) else 1
-            penalized = any(p.repetition_penalty != 1.0 for p in params)
+            mode, penalized = static_sampling(params)
+        if fixed is not None:
+            need_mode, need_pen = static_sampling(params)
+            if need_mode > fixed[0] or (need_pen and not fixed[1]):
+                raise ValueError(f"rows need sampling mode {need_mode} (penalty {need_pen}) beyond the fixed "
+                                 f"{fixed}")
+            mode, penalized = fixed
         # built on the host in their final dtypes and sent in one device_put: jnp.asarray of a list would add an
         # eager conversion op per field (a dispatch each; a scheduler admission makes one RowParams)
         return jax.device_put(cls(

@@ -59,13 +59,16 @@ class SlotState:
     spec: object = None  # spec_batch.SpecRows when the scheduler speculates
 
 
-def init_state(engine: Engine, slots: int, max_len: int, n_stop: int = 8) -> SlotState:
+def init_state(engine: Engine, slots: int, max_len: int, n_stop: int = 8,
+               sampling: tuple[int, bool] | None = None) -> SlotState:
+    """Empty slots. sampling: (mode, penalized) fixed for every request to come (`Scheduler(sampling=...)`)."""
     def z():  # a fresh buffer each time: one buffer must not be donated twice
         return jnp.zeros((slots,), jnp.int32)
 
+    mode, penalized = sampling or (None, None)
     rp = RowParams(temperature=jnp.zeros((slots,), jnp.float32), top_k=z(), top_p=jnp.ones((slots,), jnp.float32),
                    min_p=jnp.zeros((slots,), jnp.float32), rep_penalty=jnp.ones((slots,), jnp.float32),
-                   keys=jnp.zeros((slots, 2), jnp.uint32))
+                   keys=jnp.zeros((slots, 2), jnp.uint32), mode=mode, penalized=penalized)
     return SlotState(cache=engine.new_cache(slots, max_len), tokens=z(),
                      seen=jnp.zeros((slots, engine.cfg.vocab_size), bool), rp=rp, done=jnp.ones((slots,), bool),
                      count=z(), row_max=z(), stop_ids=jnp.full((slots, n_stop), -1, jnp.int32))
@@ -182,12 +185,16 @@ class Scheduler:
                  max_prefill_batch: int = 8, prefill_tokens: int = 8192,
                  stop_check: Callable[[SlotRequest, list[int]], bool] | None = None,
                  prefill_sizes: tuple[int, ...] | None = None, min_prefill_len: int = 0, spec=None,
-                 exit_on_finish: bool = False, lookahead: bool = False):
+                 exit_on_finish: bool = False, lookahead: bool = False, sampling: tuple[int, bool] | None = None):
         if slots < 1 or max_len < 2 or steps_per_call < 1:
             raise ValueError(f"bad scheduler shape: slots={slots}, max_len={max_len}, steps={steps_per_call}")
         self.engine = engine
         self.slots = slots
         self.max_len = max_len
+        # (mode, penalized) of sampling.static_sampling over every request to come, when the caller knows them all
+        # (a batch job, LLM.generate): the decode calls then compile one sampling branch, with no conditional (on
+        # the GPU each copies its predicate to the host and waits); None (the server): chosen on device
+        self.sampling = sampling
         self.steps_per_call = steps_per_call
         self.max_prefill_batch = max(1, min(max_prefill_batch, slots))
         self.prefill_tokens = prefill_tokens
@@ -221,7 +228,8 @@ class Scheduler:
 
     def _ensure_state(self, n_stop: int):
         if self.state is None:
-            self.state = init_state(self.engine, self.slots, self.cache_len, max(8, pow2_at_least(n_stop)))
+            self.state = init_state(self.engine, self.slots, self.cache_len, max(8, pow2_at_least(n_stop)),
+                                    self.sampling)
             if self.spec is not None:
                 self.state = self.state.replace(spec=self.spec.empty_rows(self.slots, self.cache_len))
         elif n_stop > self.state.stop_ids.shape[1]:
@@ -242,7 +250,7 @@ class Scheduler:
         prompts = [r.ids for r in reqs]
         cache = eng.new_cache(p, _prefill_len(max(self.min_prefill_len, max(len(x) for x in prompts))))
         last, cache = self._prefill(cache, prompts)
-        rp = RowParams.from_params([r.params for r in reqs])
+        rp = RowParams.from_params([r.params for r in reqs], fixed=self.sampling)
         lens = np.array([len(x) for x in prompts], np.int32)
         first, seen = eng.first_token(last, rp, lens, eng.new_seen(prompts))
         k = self.state.stop_ids.shape[1]

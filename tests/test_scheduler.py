@@ -279,3 +279,32 @@ def test_lookahead_dispatches_ahead_with_the_same_results(tiny_llm, greedy_case)
             assert events[:5] == [("dispatch", 0), ("dispatch", 1), ("read", 0), ("dispatch", 2), ("read", 1)]
         else:
             assert events[:4] == [("dispatch", 0), ("read", 0), ("dispatch", 1), ("read", 1)]
+
+
+@pytest.mark.parametrize("mix", ["greedy", "sampled"])
+def test_fixed_sampling_mode_gives_the_same_tokens(tiny_llm, greedy_case, mix):
+    """`Scheduler(sampling=...)` (a batch job or LLM.generate knows every request): the decode calls compile one
+    sampling branch instead of the on-device switch, and every row decodes exactly as with the switch; a request
+    needing more than the fixed mode is refused, not silently mis-sampled."""
+    from lucebox_jax.sampling import static_sampling
+
+    prompts, params, _ = greedy_case
+    if mix == "sampled":  # greedy rows beside temperature-only and top-p rows
+        params = [dataclasses.replace(p, temperature=[0, 0.8, 1.1][i % 3], top_p=0.9 if i == 4 else 1.0)
+                  for i, p in enumerate(params)]
+    reqs = [_req(i, p, dataclasses.replace(sp, seed=i), tiny_llm) for i, (p, sp) in enumerate(zip(prompts, params))]
+    fixed = static_sampling([r.params for r in reqs])
+    assert fixed == ((0, False) if mix == "greedy" else (2, False))
+    runs = {}
+    for sampling in (None, fixed):
+        sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2,
+                          sampling=sampling)
+        runs[sampling] = {f.request.key: f.token_ids for batch in sched.run(reqs) for f in batch}
+        assert sched.state.rp.mode == (None if sampling is None else fixed[0])
+    assert runs[None] == runs[fixed]
+    if mix == "greedy":
+        sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, sampling=fixed)
+        hot = _req(0, prompts[0], SamplingParams(temperature=0.7, max_tokens=2, seed=1), tiny_llm)
+        with pytest.raises(ValueError, match="beyond the fixed"):
+            for _ in sched.run([hot]):
+                pass
