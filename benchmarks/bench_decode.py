@@ -129,6 +129,8 @@ VARIANTS = {  # how the step is built, beside its kernels (--variants): what the
     "dynamic_sampling": "the sampling branch chosen on device (one lax.switch a step; the scheduler's slots do so)",
     "norm_first": "one-row norms applied before the matmul (rms_norm; 2 kernels more a layer)",
     "attn_combine_xla": "the decode attention's splits merged by XLA fusions (LUCEBOX_ATTN_COMBINE=xla)",
+    "check4": "the loop's condition read every 4 steps, not every step (generate_loop(steps_per_check=4): no "
+              "predicate copied to the host inside; 1 step past the 127 timed runs)",
 }
 
 
@@ -169,7 +171,7 @@ def _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profil
     if os.environ.get("DUMP_HLO"):  # the optimized step, to name every fusion a profile lists (DUMP_HLO=<folder>)
         with open(os.path.join(os.environ["DUMP_HLO"], f"step_hlo_{name}_b{batch}_{kernels.qmatmul}.txt"), "w") as f:
             f.write(hlo)
-    args = dict(max_new=n_tokens)
+    args = dict(max_new=n_tokens, steps_per_check=4 if variant == "check4" else 1)
     out = generate_loop(cfg, kernels, weights, cache, first, rp, seen, stop, row_max, **args)
     jax.block_until_ready(out)
     compile_s = time.perf_counter() - t0

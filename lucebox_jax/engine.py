@@ -181,14 +181,19 @@ def decode_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: K
     return _decode(cfg, kernels, weights, cache, tokens, rp, seen, n_logprobs)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_new", "n_logprobs"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_new", "n_logprobs", "steps_per_check"),
                    donate_argnames=("cache", "seen"))
 def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: KVCache, first: StepOut,
-                  rp: RowParams, seen, stop_ids, row_max, max_new: int, n_logprobs: int = 0):
+                  rp: RowParams, seen, stop_ids, row_max, max_new: int, n_logprobs: int = 0,
+                  steps_per_check: int = 1):
     """Decode until every row hit a stop id or its own max token count (row_max [B] <= max_new), on device.
 
     first: the newest token of each row, not yet in the cache (e.g. sampled from the prefill); it is slot 0 of the
-    output. Returns (StepOut of buffers [B, max_new, ...] with tokens padded by -1, n_generated [B], cache, seen)."""
+    output. Returns (StepOut of buffers [B, max_new, ...] with tokens padded by -1, n_generated [B], cache, seen).
+    steps_per_check > 1: the loop's condition is read every that many steps (an inner `fori_loop` of known trip
+    count, which the GPU runs without copying a predicate to the host); up to steps_per_check - 1 steps past the end
+    then run on finished rows and write nothing. The same tokens either way (`bench_decode.py --variants check4`
+    times it)."""
     b = first.tokens.shape[0]
     k = n_logprobs
 
@@ -211,16 +216,25 @@ def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache:
         i, _, _, _, done, _, _ = state
         return (i < max_new) & ~jnp.all(done)
 
-    def body(state):
+    def step(state):
         i, cache, tok, seen, done, count, bufs = state
         cache, out, seen = _decode(cfg, kernels, weights, cache, tok, rp, seen, k)
         tok_w = jnp.where(done, -1, out.tokens)
-        bufs = StepOut(put(bufs.tokens, i, tok_w), put(bufs.logprob, i, out.logprob),
-                       put(bufs.top_ids, i, out.top_ids), put(bufs.top_vals, i, out.top_vals))
+        if steps_per_check > 1:  # steps past max_new (every row done by then) must not overwrite the last slot
+            keep = lambda new, old: jnp.where(i < max_new, new, old)  # noqa: E731
+            j = jnp.minimum(i, max_new - 1)
+            bufs = StepOut(*(keep(put(b_, j, v), b_) for b_, v in zip(
+                (bufs.tokens, bufs.logprob, bufs.top_ids, bufs.top_vals),
+                (tok_w, out.logprob, out.top_ids, out.top_vals))))
+        else:
+            bufs = StepOut(put(bufs.tokens, i, tok_w), put(bufs.logprob, i, out.logprob),
+                           put(bufs.top_ids, i, out.top_ids), put(bufs.top_vals, i, out.top_vals))
         count = count + (~done).astype(jnp.int32)
         done = done | is_stop(out.tokens) | (count >= row_max)
         return i + 1, cache, out.tokens, seen, done, count, bufs
 
+    body = step if steps_per_check == 1 else (
+        lambda state: jax.lax.fori_loop(0, steps_per_check, lambda _, s: step(s), state))
     state = (jnp.int32(1), cache, first.tokens, seen, done, count, bufs)
     _, cache, _, seen, _, count, bufs = jax.lax.while_loop(cond, body, state)
     return bufs, count, cache, seen

@@ -16,12 +16,12 @@ def test_bench_decode_variants_small(tmp_path, monkeypatch):
     import bench_decode
 
     monkeypatch.setenv("OUT", str(tmp_path))
-    bench_decode.main(["--small", "--batches", "1", "--variants", "engine,dynamic_sampling,norm_first"])
+    bench_decode.main(["--small", "--batches", "1", "--variants", "engine,dynamic_sampling,norm_first,check4"])
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     by = {r["variant"]: r for r in rows}
-    assert set(by) == {"engine", "dynamic_sampling", "norm_first"} and all("tok_s" in r for r in rows)
-    # greedy chosen on the host or on the device: the same step, the same tokens
-    assert by["engine"]["tokens_sha"] == by["dynamic_sampling"]["tokens_sha"]
+    assert set(by) == {"engine", "dynamic_sampling", "norm_first", "check4"} and all("tok_s" in r for r in rows)
+    # greedy chosen on the host or on the device, the condition read every step or every 4: the same tokens
+    assert by["engine"]["tokens_sha"] == by["dynamic_sampling"]["tokens_sha"] == by["check4"]["tokens_sha"]
     from lucebox_jax import model
 
     assert model.DEFER_ONE_ROW_NORM is True  # the variant's switch is put back

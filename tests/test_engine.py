@@ -137,3 +137,29 @@ def test_one_row_norm_is_applied_after_the_matmul():
 
 def eng_weights():
     return random_weights(CFG, jax.random.key(3), group_size=32, asymmetric=True)
+
+
+def test_loop_checking_every_few_steps_gives_the_same_output(eng):
+    """generate_loop(steps_per_check=4) reads its condition every 4 steps (an inner loop of known trip count): the
+    same tokens, log probabilities and counts as checking every step, with rows stopping at a stop id, at their own
+    budget, and at the buffer's end (the extra steps write nothing)."""
+    from lucebox_jax.engine import generate_loop, stop_matrix
+
+    ps = prompts([6, 9, 4], seed=7)
+    free = run_greedy(eng, ps, 16)
+    stop = jnp.asarray(stop_matrix([{free[0][5]}, set(), set()], 3))
+    outs = []
+    for spc in (1, 4):
+        cache = eng.new_cache(3, 64)
+        last, _, cache = eng.prefill(cache, ps)
+        rp = greedy_rp(3)
+        seen = eng.new_seen(ps)
+        first, seen = eng.first_token(last, rp, [6, 9, 4], seen, 2)
+        bufs, count, _, _ = generate_loop(CFG, KS, eng.weights, cache, first, rp, seen, stop,
+                                          jnp.asarray([16, 7, 16], jnp.int32), max_new=16, n_logprobs=2,
+                                          steps_per_check=spc)
+        outs.append((bufs, count))
+    (a, ca), (b, cb) = outs
+    assert list(np.asarray(ca)) == list(np.asarray(cb)) == [free[0].index(free[0][5]) + 1, 7, 16]
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
