@@ -219,16 +219,12 @@ def generate_loop(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache:
     def step(state):
         i, cache, tok, seen, done, count, bufs = state
         cache, out, seen = _decode(cfg, kernels, weights, cache, tok, rp, seen, k)
-        tok_w = jnp.where(done, -1, out.tokens)
-        if steps_per_check > 1:  # steps past max_new (every row done by then) must not overwrite the last slot
-            keep = lambda new, old: jnp.where(i < max_new, new, old)  # noqa: E731
+        new = out.replace(tokens=jnp.where(done, -1, out.tokens))
+        if steps_per_check == 1:
+            bufs = jax.tree.map(lambda buf, v: put(buf, i, v), bufs, new)
+        else:  # steps past max_new (every row done by then) must not overwrite the last slot
             j = jnp.minimum(i, max_new - 1)
-            bufs = StepOut(*(keep(put(b_, j, v), b_) for b_, v in zip(
-                (bufs.tokens, bufs.logprob, bufs.top_ids, bufs.top_vals),
-                (tok_w, out.logprob, out.top_ids, out.top_vals))))
-        else:
-            bufs = StepOut(put(bufs.tokens, i, tok_w), put(bufs.logprob, i, out.logprob),
-                           put(bufs.top_ids, i, out.top_ids), put(bufs.top_vals, i, out.top_vals))
+            bufs = jax.tree.map(lambda buf, v: jnp.where(i < max_new, put(buf, j, v), buf), bufs, new)
         count = count + (~done).astype(jnp.int32)
         done = done | is_stop(out.tokens) | (count >= row_max)
         return i + 1, cache, out.tokens, seen, done, count, bufs
