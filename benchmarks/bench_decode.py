@@ -128,6 +128,8 @@ VARIANTS = {  # how the step is built, beside its kernels (--variants): what the
     "engine": "greedy fixed on the host (LLM.generate's RowParams), one-row norms scaled after the matmul",
     "dynamic_sampling": "the sampling branch chosen on device (one lax.switch a step; the scheduler's slots do so)",
     "norm_first": "one-row norms applied before the matmul (rms_norm; 2 kernels more a layer)",
+    "write_kv_first": "the step's K/V written to the cache by XLA before the attention kernel (2 kernels more a "
+                      "layer; the engine's decode kernel appends them itself)",
     "attn_combine_xla": "the decode attention's splits merged by XLA fusions (LUCEBOX_ATTN_COMBINE=xla)",
     "check4": "the loop's condition read every 4 steps, not every step (generate_loop(steps_per_check=4): no "
               "predicate copied to the host inside; 1 step past the 127 timed runs)",
@@ -140,13 +142,14 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
 
     jax.clear_caches()  # the switches below are read when the step is traced: each variant traces afresh
     model_mod.DEFER_ONE_ROW_NORM = variant != "norm_first"
+    model_mod.APPEND_KV = variant != "write_kv_first"
     old_combine = os.environ.get("LUCEBOX_ATTN_COMBINE")
     if variant == "attn_combine_xla":
         os.environ["LUCEBOX_ATTN_COMBINE"] = "xla"
     try:
         return _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profile, variant)
     finally:
-        model_mod.DEFER_ONE_ROW_NORM = True
+        model_mod.DEFER_ONE_ROW_NORM = model_mod.APPEND_KV = True
         if old_combine is None:
             os.environ.pop("LUCEBOX_ATTN_COMBINE", None)
         else:

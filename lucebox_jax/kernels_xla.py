@@ -75,6 +75,18 @@ def _attention(q, k, v, start, *, scale, window):
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def write_kv(cache_l, new, start):
+    """cache_l [B, Hkv, S, hd] <- new [B, T, Hkv, hd] at positions start[b] .. start[b] + T - 1 of each row.
+
+    One row is written with a plain dynamic-update-slice: the vmapped form becomes a clipping scatter, which XLA on
+    the GPU lowers at batch 1 as a select against the slot's old value, read by a kernel of its own (2 of the ~13
+    small kernels per layer of a decode step). Both clamp the start the same way, so the cache is the same."""
+    new = new.transpose(0, 2, 1, 3).astype(cache_l.dtype)
+    if cache_l.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(cache_l, new, (0, 0, start[0], 0))
+    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_l, new, start)
+
+
 @ops.register("attention_decode", "xla", default_on=("cpu",))
 def attention_decode_xla(q, k, v, lengths, rows=None, *, scale, window: int | None = None):
     if quant.ROW_INVARIANT:

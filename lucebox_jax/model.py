@@ -17,6 +17,7 @@ from flax import struct
 
 from . import ops, quant
 from .config import ModelConfig
+from .kernels_xla import write_kv as _write_kv
 from .ops import KernelSet
 from .quant import linear
 
@@ -99,6 +100,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 
 # one-row norms scaled after their matmul (normed_linear); False: before it, as rms_norm (benchmarks A/B this)
 DEFER_ONE_ROW_NORM = True
+# a decode step's K/V appended by the decode kernel itself when it takes `new_kv` (False: written first; A/B)
+APPEND_KV = True
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16
 
@@ -170,18 +173,6 @@ def rope(x, positions, theta, interleaved, pos_scale=1.0):
     return out.astype(x.dtype)
 
 
-def _write_kv(cache_l, new, start):
-    """cache_l [B, Hkv, S, hd] <- new [B, T, Hkv, hd] at positions start[b] .. start[b] + T - 1 of each row.
-
-    One row is written with a plain dynamic-update-slice: the vmapped form becomes a clipping scatter, which XLA on
-    the GPU lowers at batch 1 as a select against the slot's old value, read by a kernel of its own (2 of the ~13
-    small kernels per layer of a decode step). Both clamp the start the same way, so the cache is the same."""
-    new = new.transpose(0, 2, 1, 3).astype(cache_l.dtype)
-    if cache_l.shape[0] == 1:
-        return jax.lax.dynamic_update_slice(cache_l, new, (0, 0, start[0], 0))
-    return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_l, new, start)
-
-
 def split_parts(y, groups: int, sizes: tuple[int, ...]) -> list:
     """y [..., sum(sizes)] laid out as `groups` equal blocks, each holding 1/groups of every part in order -> the
     parts [..., size] (groups=1: plain slicing)."""
@@ -207,6 +198,27 @@ def tree_rows(c, win, start, tree):
     kv = kv.reshape(b * t, t, *win.shape[2:]).transpose(0, 2, 1, 3).astype(c.dtype)
     rows = jnp.repeat(c, t, axis=0)
     return jax.vmap(lambda cc, n, st: jax.lax.dynamic_update_slice(cc, n, (0, st, 0)))(rows, kv, jnp.repeat(start, t))
+
+
+def _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra, decode, as_decode,
+            tree_as_decode, tree_extra):
+    """One layer's attention over the cache kc/vc, which already holds this call's keys k/v at start.. (forward)."""
+    b, t, hq, hd = q.shape
+    if tree_as_decode:  # node (b, t) reads its own row of B * T, up to its position
+        lens = (positions + 1).reshape(b * t)
+        return attn(q.reshape(b * t, hq, hd), tree_rows(kc, k, start, tree), tree_rows(vc, v, start, tree), lens,
+                    scale=scale, **extra).reshape(b, t, hq, hd)
+    if tree is not None:  # (the window was just written at slots start .. start + t - 1: a kernel may read it)
+        return ops.get("attention_tree", kernels.attention_tree)(q, kc, vc, start, k, v, tree[1], scale=scale,
+                                                                 positions=positions, window=extra.get("window"),
+                                                                 **tree_extra)
+    if decode:
+        return attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
+    if as_decode:  # B * T decode rows: row (b, t) reads cache row b up to position start + t
+        lens = (positions + 1).reshape(b * t)
+        rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+        return attn(q.reshape(b * t, hq, hd), kc, vc, lens, rows, scale=scale, **extra).reshape(b, t, hq, hd)
+    return attn(q, kc, vc, start, scale=scale, **extra)
 
 
 def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, tokens, start, *, last_only=None,
@@ -247,6 +259,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         "attention_tree", kernels.attention_tree, "in_cache") else {}
     attn = ops.get("attention_decode" if by_rows else "attention_prefill",
                    kernels.attention_decode if by_rows else kernels.attention_prefill)
+    # a decode kernel that appends the step's own K/V itself saves the cache writes' 2 kernels a layer
+    append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
     for i, lw in enumerate(w.layers):
         qkv = normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels)
         q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
@@ -257,27 +271,18 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         theta, pos_scale = cfg.layer_rope(i)
         q = rope(q, positions, theta, cfg.rope_interleaved, pos_scale)
         k = rope(k, positions, theta, cfg.rope_interleaved, pos_scale)
-        kc = _write_kv(cache.k[i], k, start)
-        vc = _write_kv(cache.v[i], v, start)
-        new_k.append(kc)
-        new_v.append(vc)
         window = cfg.layer_window(i)
         extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
-        if tree_as_decode:  # node (b, t) reads its own row of B * T, up to its position
-            lens = (positions + 1).reshape(b * t)
-            o = attn(q.reshape(b * t, hq, hd), tree_rows(kc, k, start, tree), tree_rows(vc, v, start, tree), lens,
-                     scale=scale, **extra).reshape(b, t, hq, hd)
-        elif tree is not None:  # (the window was just written at slots start .. start + t - 1: a kernel may read it)
-            o = ops.get("attention_tree", kernels.attention_tree)(q, kc, vc, start, k, v, tree[1], scale=scale,
-                                                                  positions=positions, window=window, **tree_extra)
-        elif decode:
-            o = attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
-        elif as_decode:  # B * T decode rows: row (b, t) reads cache row b up to position start + t
-            lens = (positions + 1).reshape(b * t)
-            rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-            o = attn(q.reshape(b * t, hq, hd), kc, vc, lens, rows, scale=scale, **extra).reshape(b, t, hq, hd)
+        if append:  # the kernel writes the step's K/V into the cache and attends, in one call
+            o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2)[:, 0], cache.k[i], cache.v[i], start + 1,
+                             scale=scale, append=True, **extra)
+            o = o[:, None]
         else:
-            o = attn(q, kc, vc, start, scale=scale, **extra)
+            kc, vc = _write_kv(cache.k[i], k, start), _write_kv(cache.v[i], v, start)
+            o = _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra, decode, as_decode,
+                        tree_as_decode, tree_extra)
+        new_k.append(kc)
+        new_v.append(vc)
         o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
         x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
         gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels),

@@ -11,7 +11,13 @@ writes an unnormalised partial (acc, running max, running sum) and a small jnp c
 n_split == 1 the kernel normalises and writes the output itself.
 
 `rows` [B] (optional) maps query row b to cache row rows[b], so several query rows can read one cache row: a
-speculative verify of T positions runs as B * T decode rows.  `row_invariant=True` fixes n_split by the cache shape
+speculative verify of T positions runs as B * T decode rows.
+
+`append=True` (a plain decode step): q is [B, Hq + 2 Hkv, D], the step's queries, then its own keys and values, one
+array as XLA's rope fusion writes it. The kernel appends that key and value to the cache itself: the program whose
+chunk holds slot lengths[b] - 1 writes them there (the cache buffers are aliased in and out) and every tile that
+holds the slot reads the new key in place of the stale one, so the result is bitwise that of writing the cache first
+and then attending, without the writes' two kernels a layer and with one input fusion instead of three.  `row_invariant=True` fixes n_split by the cache shape
 alone (as for one row) and merges the splits in order, so a row's output does not depend on how many rows share
 the call (lucebox_jax.quant.ROW_INVARIANT).
 """
@@ -44,9 +50,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows):
+def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows, append):
     row_ref, refs = (refs[0], refs[1:]) if has_rows else (None, refs)
     q_ref, k_ref, v_ref, *refs = refs
+    if append:  # q_ref [B, Hq + 2 Hkv, D]; the aliased caches are the last two outputs
+        *refs, ko_ref, vo_ref = refs
     win_ref, out_refs = (refs[0], refs[1:]) if nw else (None, refs)
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kb = row_ref[b] if has_rows else b  # the cache row this query row reads
@@ -57,11 +65,20 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
     rows = jnp.arange(bh)
     rmask = rows < g
     d = q_ref.shape[-1]
-    q = plgpu.load(q_ref.at[b, h, pl.ds(0, bh), :], mask=rmask[:, None], other=0)
+    if append:
+        hq, hkv = k_ref.shape[1] * g, k_ref.shape[1]
+        q = plgpu.load(q_ref.at[b, pl.ds(h * g, bh), :], mask=rmask[:, None], other=0)
+    else:
+        q = plgpu.load(q_ref.at[b, h, pl.ds(0, bh), :], mask=rmask[:, None], other=0)
     q = (q.astype(jnp.float32) * qk_scale).astype(k_ref.dtype)
     # a window of 32 * nw slots after `length`, visible per query row by its bits (a token tree's ancestors)
     words = [plgpu.load(win_ref.at[b, h, pl.ds(0, bh), pl.ds(w, 1)], mask=rmask[:, None], other=0)
              for w in range(nw)]  # [bh, 1] each
+    if append:  # placed as lax.dynamic_update_slice places it: a negative start counts from the end, then clamps
+        slot = len_ref[b] - 1
+        slot = jnp.clip(jnp.where(slot < 0, slot + seq, slot), 0, seq - 1)
+        k_new = plgpu.load(q_ref.at[b, pl.ds(hq + h, 1), :]).astype(k_ref.dtype)  # [1, D]
+        v_new = plgpu.load(q_ref.at[b, pl.ds(hq + hkv + h, 1), :]).astype(v_ref.dtype)
 
     def body(i, carry):
         acc, m_i, l_i = carry
@@ -69,6 +86,8 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         kpos = k0 + jnp.arange(bk)
         kmask = kpos < end
         k = plgpu.load(k_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
+        if append:
+            k = jnp.where((kpos == slot)[:, None], k_new, k)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [bh, bk], log2 units
         if nw:
             rel = jnp.clip(kpos - length, 0, 32 * nw - 1)[None, :]  # the slot's bit in the window
@@ -85,11 +104,19 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
             p = jnp.where(vis, p, 0.0)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         v = plgpu.load(v_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
+        if append:
+            v = jnp.where((kpos == slot)[:, None], v_new, v)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
     init = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), _NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
     acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, init)
+    if append:
+        @pl.when(sp == slot // chunk)
+        def _():
+            plgpu.store(ko_ref.at[b, h, pl.ds(slot, 1), :], k_new)
+            plgpu.store(vo_ref.at[b, h, pl.ds(slot, 1), :], v_new)
+
     if n_split == 1 and not partials:
         (o_ref,) = out_refs
         out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
@@ -128,12 +155,12 @@ def default_config(b: int, hkv: int, s: int, d: int) -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant", "partials", "combine"),
+                     "row_invariant", "partials", "combine", "append"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
-    row_invariant: bool = False, partials: bool = False, combine: str = "xla",
+    row_invariant: bool = False, partials: bool = False, combine: str = "xla", append: bool = False,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -144,9 +171,13 @@ def attention_decode(
     combine: how n_split > 1 partials are merged: "xla" (jnp; XLA makes 1-4 small fusions of it, by shape) or
     "kernel" (one Pallas program per row and query head). A row-invariant call always merges in jnp, in split order.
     win_mask [B, Hq, nw] int32 (nw 1 or 2): query row b, head h also sees the cache slots lengths[b] + j, j < 32 nw,
-    whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix."""
-    bsz, hq, d = q.shape
+    whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix.
+    append=True: q [B, Hq + 2 Hkv, D] also holds the step's own keys and values (heads Hq.., Hq + Hkv..), written at
+    slot lengths[b] - 1 (placed as a dynamic-update-slice places it) and attended there; returns (out, k, v), the
+    caches updated in place (no rows, win_mask or partials with it)."""
     _, hkv, seq, _ = k.shape
+    bsz, hq, d = q.shape
+    hq -= 2 * hkv if append else 0
     g = hq // hkv
     assert g * hkv == hq and d & (d - 1) == 0, (q.shape, k.shape)
     bh = max(16, _next_pow2(g))
@@ -159,13 +190,14 @@ def attention_decode(
     n_split = max(1, min(n_split, max_split))
     chunk = _cdiv(_cdiv(seq, n_split), bk) * bk
     n_split = _cdiv(seq, chunk)
-    qg = q.reshape(bsz, hkv, g, d)
+    qg = q if append else q.reshape(bsz, hkv, g, d)
     lengths = lengths.astype(jnp.int32)
     nw = 0 if win_mask is None else win_mask.shape[-1]
     assert nw in (0, 1, 2), win_mask.shape
+    assert not (append and (rows is not None or nw or partials)), "append is for a plain decode step"
     kern = functools.partial(
         _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split, partials=partials,
-        nw=nw, has_rows=rows is not None,
+        nw=nw, has_rows=rows is not None, append=append,
     )
     if n_split == 1 and not partials:
         out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
@@ -177,14 +209,29 @@ def attention_decode(
         ]
     # no rows: row b reads cache row b by its program id (an arange passed in would cost a kernel a call)
     row_arg = [] if rows is None else [rows.astype(jnp.int32)]
+    aliases = {}
+    if append:  # caches aliased in (arguments 2 and 3 after lengths, q) and out (the last two outputs)
+        aliases = {2: len(out_shape), 3: len(out_shape) + 1}
+        out_shape = out_shape + [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     outs = pl.pallas_call(
         kern,
         out_shape=out_shape,
         grid=(bsz, hkv, n_split),
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="attention_decode",
     )(lengths, *row_arg, qg, k, v, *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
+    if append:
+        *outs, k, v = outs
+        return _attend(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret), k, v
+    return _attend(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret)
+
+
+def _attend(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret):
+    """The kernel's outputs -> the attention output: as they are (one split), or the splits merged."""
+    hkv = outs[0].shape[1]
+    g = hq // hkv
     if n_split == 1 and not partials:
         return outs[0].reshape(bsz, hq, d)
     o, m, l = outs
@@ -225,12 +272,13 @@ def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
     return o.reshape(bsz, hq, d).astype(q.dtype)
 
 
-def attention_decode_pallas(q, k, v, lengths, rows=None, *, scale, interpret: bool | None = None, **overrides):
+def attention_decode_pallas(q, k, v, lengths, rows=None, *, scale, append: bool = False,
+                            interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1])
     cfg.update(overrides)
-    return attention_decode(q, k, v, lengths, rows, scale=float(scale), interpret=interpret, **cfg)
+    return attention_decode(q, k, v, lengths, rows, append=append, scale=float(scale), interpret=interpret, **cfg)
 
 
 del math

@@ -84,3 +84,35 @@ def test_short_verify_attends_as_decode_rows_and_kernels_without_rows_still_serv
     forward(cfg, KernelSet(attention_decode="rows_test_kernel"), w, init_cache(cfg, 1, 64), long,
             jnp.zeros((1,), jnp.int32), verify=True)
     assert seen == []  # a longer verify stays with attention_prefill
+
+
+def test_decode_kernel_that_appends_kv_gives_the_written_then_attended_step():
+    """A decode step with the Pallas decode kernel (interpret mode) appending the step's own K/V (`append`, the
+    default) gives bitwise the logits and cache of the step that writes the cache first (model.APPEND_KV = False):
+    batch 1 and 3 rows at ragged starts, in a jitted step with the cache donated, as the engine runs it."""
+    from lucebox_jax import model
+
+    assert ops.accepts("attention_decode", "pallas", "append")
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(2), group_size=32)
+    ks = KernelSet(attention_decode="pallas")
+    for start in ([5], [0, 9, 31]):
+        b = len(start)
+        s = jnp.array(start, jnp.int32)
+        cache = init_cache(cfg, b, 32)
+        cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
+                                      for i, c in enumerate(cache.k)), lengths=s)
+        toks = (jnp.arange(b)[:, None] * 7 + 3) % cfg.vocab_size
+        outs = []
+        for append in (True, False):
+            model.APPEND_KV = append
+            try:
+                step = jax.jit(lambda c, t, st: forward(cfg, ks, w, c, t, st), donate_argnums=0)
+                outs.append(step(jax.tree.map(jnp.copy, cache), toks, s))
+            finally:
+                model.APPEND_KV = True
+        (got, got_c), (want, want_c) = outs
+        assert (got == want).all()
+        for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):
+            assert (a == c).all()
+        assert not (want_c.k[0] == cache.k[0]).all()  # the step wrote its keys

@@ -183,6 +183,56 @@ def test_attention_decode_combine_kernel(b, hq, hkv, s, d, lens, dt, kw):
     assert not np.asarray(got[lengths == 0]).any()
 
 
+APPEND_CASES = [  # B, Hq, Hkv, S, D, lengths (the new slot is lengths - 1), knobs
+    (1, 9, 3, 256, 64, [7], {}),  # SmolLM2 heads, batch 1
+    (3, 8, 2, 128, 32, [1, 64, 130], {}),  # slot 0; a split boundary; past the cache (clamped as a DUS clamps)
+    (2, 4, 4, 512, 64, [300, 512], dict(n_split=4, combine="kernel")),  # 4 splits merged by the kernel
+    (2, 4, 2, 64, 16, [0, -3], {}),  # starts below 0 (a DUS counts them from the end)
+]
+
+
+def _append_case(b, hq, hkv, s, d, lens, seed):
+    rng = np.random.default_rng(seed)
+    q, k_new, v_new = (jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16) for h in (hq, hkv, hkv))
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
+    return q, k_new, v_new, k, v, jnp.asarray(lens, jnp.int32)
+
+
+def _check_append(b, hq, hkv, s, d, lens, kw, interpret):
+    """append=True (the step's own K/V written by the kernel) is bitwise the cache written by XLA's
+    dynamic-update-slice (kernels_xla.write_kv, the model's write) and then attended."""
+    q, k_new, v_new, k, v, lengths = _append_case(b, hq, hkv, s, d, lens, s + hq)
+    kc, vc = kernels_xla.write_kv(k, k_new[:, None], lengths - 1), kernels_xla.write_kv(v, v_new[:, None], lengths - 1)
+    want = attention_decode(q, kc, vc, lengths, scale=d**-0.5, interpret=interpret, **kw)
+    fn = jax.jit(lambda q, k, v, L: attention_decode(q, k, v, L, scale=d**-0.5, interpret=interpret, append=True,
+                                                     **kw), donate_argnums=(1, 2))
+    out, k2, v2 = fn(jnp.concatenate([q, k_new, v_new], axis=1), k, v, lengths)
+    assert (np.asarray(k2) == np.asarray(kc)).all() and (np.asarray(v2) == np.asarray(vc)).all()
+    assert (np.asarray(out) == np.asarray(want)).all()
+
+
+@pytest.mark.parametrize("b,hq,hkv,s,d,lens,kw", APPEND_CASES)
+def test_attention_decode_append_is_write_then_attend(b, hq, hkv, s, d, lens, kw):
+    _check_append(b, hq, hkv, s, d, lens, kw, interpret=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,s,d,lens,kw", APPEND_CASES)
+def test_attention_decode_append_gpu(b, hq, hkv, s, d, lens, kw):
+    _check_append(b, hq, hkv, s, d, lens, kw, interpret=False)
+
+
+def test_attention_decode_append_registered_fallback():
+    """The registered op falls back to XLA (a head size that is not a power of two) and still appends."""
+    q, k_new, v_new, k, v, lengths = _append_case(2, 4, 2, 32, 24, [5, 32], 3)
+    out, k2, v2 = ops.get("attention_decode", "pallas")(jnp.concatenate([q, k_new, v_new], axis=1), k, v, lengths,
+                                                        scale=0.2, append=True)
+    kc, vc = kernels_xla.write_kv(k, k_new[:, None], lengths - 1), kernels_xla.write_kv(v, v_new[:, None], lengths - 1)
+    assert (np.asarray(k2) == np.asarray(kc)).all() and (np.asarray(v2) == np.asarray(vc)).all()
+    assert (np.asarray(out) == np.asarray(kernels_xla.attention_decode_xla(q, kc, vc, lengths, scale=0.2))).all()
+
+
 def test_attention_decode_registered():
     rng = np.random.default_rng(11)
     b, hq, hkv, s, d = 2, 9, 3, 40, 64
