@@ -63,8 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--max-context", type=int, default=512)
     p.add_argument("--steps-per-call", type=int, default=None, help="default 8 (the server's default)")
     p.add_argument("--exit-on-finish", action="store_true", help="start the server with --exit-on-finish")
-    p.add_argument("--engine-process", action="store_true",
-                   help="start the server with --engine-process (the device loop in a process of its own)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="the server's device loop in a process of its own, or not (default: the server's own "
+                        "default, on where jax runs on a GPU)")
     p.add_argument("--lookahead", action="store_true",
                    help="the scheduler's lookahead on both sides: the server's --lookahead and the offline job's")
     p.add_argument("--engine-process-ab", action="store_true",
@@ -84,6 +85,10 @@ def parse_args(argv=None):
     a.prompt_min = a.prompt_min or (8 if a.small else 64)
     a.prompt_max = a.prompt_max or (24 if a.small else 256)
     a.steps_per_call = a.steps_per_call or 8
+    if a.engine_process is None:  # as `run.py --serve` starts (named to the server either way)
+        from lucebox_jax.serve import engine_process_default
+
+        a.engine_process = engine_process_default()
     if a.prompt_max + a.new_tokens > a.max_context:
         p.error(f"--prompt-max + --new-tokens ({a.prompt_max + a.new_tokens}) over --max-context {a.max_context}")
     return a

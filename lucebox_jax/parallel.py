@@ -243,12 +243,19 @@ def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):
     kv_spec = P(None, AXIS, None, None) if heads_split else P()
 
     @functools.wraps(fn)
-    def run(q, k, v, pos, rows=None, *, scale, window=None):
+    def run(q, k, v, pos, rows=None, *, scale, window=None, append=False):
         extra = {} if window is None else {"window": window}
         body = functools.partial(fn, scale=scale, **extra)
         args = (q, k, v, pos) + (() if rows is None else (rows,))  # rows: a verify's positions (model.forward)
         if heads_split and k.shape[1] % mesh.size:  # another model's cache (a draft model's): not split by heads
-            return body(*args)
+            return body(*args, **({"append": True} if append else {}))
+        if append:  # q [B, Hq + 2 Hkv, D]: its three parts split by heads apart, then packed again on each device
+            hkv = k.shape[1]
+            parts = (q[:, :-2 * hkv], q[:, -2 * hkv:-hkv], q[:, -hkv:])
+            return jax.shard_map(lambda ql, kn, vn, kc, vc, p: body(jnp.concatenate([ql, kn, vn], axis=1), kc, vc, p,
+                                                                    append=True),
+                                 mesh=mesh, in_specs=(q_spec,) * 3 + (kv_spec, kv_spec, P()),
+                                 out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*parts, k, v, pos)
         return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + (P(),) * (len(args) - 3),
                              out_specs=q_spec, check_vma=False)(*args)
 

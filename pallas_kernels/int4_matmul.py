@@ -323,6 +323,7 @@ _TUNABLE = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages
 
 
 SMALL_WEIGHT_BYTES = 8 << 20  # int4 codes below this take the latency-bound heuristics (no tuned entry)
+SMALL_SPLIT_MAX_N = 1024  # 17-64 rows of small weights split one K tile a program up to this many outputs
 SPLIT_ALL = 1 << 12  # split_k is clamped to the number of K tiles: one tile per program
 
 
@@ -370,8 +371,8 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
     M <= 16, g >= 128: asm decode, tensor-core dot, block_k = 128 (one whole group per step), block_n = 64
       (46.0 us vs 64.7-71.2 for every other variant on gate_up 4096x28672 g128 at M = 1);
     M <= 16 otherwise: asm decode + dot, block_k = 32, block_n = 128;  M > 16: 64-row GEMM tiles (the registry
-    sends M > 64 to XLA, which is faster there).  M <= 16 with codes under SMALL_WEIGHT_BYTES: one K tile per
-    program (split_k = number of tiles), block_n 64 when M > 1."""
+    sends M > 64 to XLA, which is faster there).  Codes under SMALL_WEIGHT_BYTES at M <= 16, or at M <= 64 with at
+    most SMALL_SPLIT_MAX_N outputs: one K tile per program (split_k = number of tiles), block_n 64 when M > 1."""
     asm_ok = on_gpu and jnp.dtype(dtype) == jnp.bfloat16
     cfg = dict(block_n=128, block_k=min(32, group_size), split_k=None, num_warps=4, num_stages=4, mode="dot",
                decode="asm" if asm_ok else "f32")
@@ -387,10 +388,12 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
         cfg.update(block_n=64, block_k=128)
     elif m == 1:
         cfg.update(mode="fma", decode="f32")
-    if on_gpu and m <= 16 and k * n // 2 < SMALL_WEIGHT_BYTES:
+    if on_gpu and (m <= 16 or n <= SMALL_SPLIT_MAX_N) and k * n // 2 < SMALL_WEIGHT_BYTES:
         # small weights (SmolLM2-135M: all of them) are latency-bound: one K tile per program, so each program
         # makes one memory round trip instead of a loop of them (H200: 808 -> 892 tok/s at batch 1, 6,446 ->
-        # 7,320 at batch 8 with block_n 64; benchmarks/RESULTS.md, "small weights")
+        # 7,320 at batch 8 with block_n 64; benchmarks/RESULTS.md, "small weights"). Above 16 rows (a 64-row tile)
+        # only for narrow outputs: at 33 rows (H100, 2026-12-05) qkv 5.4 -> 4.2 us, o 5.6 -> 3.7, down 5.6 -> 4.6,
+        # but gate_up (N = 3,072) 5.7 -> 6.3
         cfg.update(split_k=SPLIT_ALL)
         if m > 1:
             cfg.update(block_n=64)

@@ -145,6 +145,21 @@ def test_qmatmul_tuned_table(tmp_path, monkeypatch):
     assert "reduce" not in mm.default_config(1, 4096, 6144, 32, on_gpu=True, symmetric=False)
 
 
+def test_small_weights_split_one_k_tile_a_program_by_rows_and_width():
+    """Small weights (the embedded model's): one K tile a program up to 16 rows; at 17-64 rows (a speculative tree's
+    verify, a batch job's) only for outputs up to SMALL_SPLIT_MAX_N wide, as measured at 33 rows on the GPU; big
+    weights never take this heuristic, and the CPU never does."""
+    from pallas_kernels import int4_matmul as mm
+
+    shapes = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+    for name, (k, n) in shapes.items():
+        assert mm.default_config(1, k, n, 32, on_gpu=True)["split_k"] == mm.SPLIT_ALL
+        c33 = mm.default_config(33, k, n, 32, on_gpu=True)
+        assert c33["block_m"] == 64 and (c33["split_k"] == mm.SPLIT_ALL) == (name != "gate_up"), name
+        assert mm.default_config(33, k, n, 32, on_gpu=False)["split_k"] is None
+    assert mm.default_config(33, 16384, 1024, 32, on_gpu=True)["split_k"] is None  # 8 MB: not small
+
+
 # ------------------------------------------------------------------------------------------------ decode attention
 DCASES = [  # B, Hq, Hkv, S, D, lengths, dtype, knobs
     (3, 9, 3, 100, 64, [1, 37, 100], jnp.float32, dict(block_k=32, min_programs=32)),  # SmolLM2 heads, 4 splits
