@@ -53,6 +53,13 @@ PROMPTS = [
 ]
 
 
+def parse_tree(text: str) -> tuple[int, int, int | None]:
+    """--tree's items: N (depth 4), N@K, or N@K/W (a beam of W) -> (N, K, W or None)."""
+    n, _, rest = text.strip().partition("@")
+    k, _, w = rest.partition("/")
+    return int(n), int(k) if k else 4, int(w) if w else None
+
+
 def log(*a):
     print(*a, flush=True)
 
@@ -92,11 +99,10 @@ def bench_embedded(args):
         return secs, toks, stats
 
     configs = [(d, k, None) for k in sorted(ks, key=lambda k: (k != 4, k)) for d in drafters]  # K=4 of each first
-    trees = [(int(x.split("@")[0]), int(x.split("@")[1]) if "@" in x else 4) for x in str(args.tree).split(",")
-             if x.strip() and int(x.split("@")[0])]
+    trees = [parse_tree(x) for x in str(args.tree).split(",") if x.strip() and parse_tree(x)[0]]
     eagles = [d for d in drafters if d.startswith("eagle")]
-    for n, k in reversed(trees):  # eagle drafters also with tree verification (each size given, in that order)
-        configs[1:1] = [(d, k, n) for d in eagles]
+    for n, k, beam in reversed(trees):  # eagle drafters also with tree verification (each given, in that order)
+        configs[1:1] = [(d, k, (n, beam)) for d in eagles]
     if args.self_draft:
         configs.append((f"model:{args.model or default_model_path()}", args.self_draft_k, None))
     for temp in temps:  # warm the plain path
@@ -108,7 +114,8 @@ def bench_embedded(args):
             log(f"skip {d} K={k} tree={tree}: budget")
             continue
         try:
-            spec = SpeculativeDecoder.create(llm.engine, d, k, tokenizer=tok, tree=tree)
+            spec = SpeculativeDecoder.create(llm.engine, d, k, tokenizer=tok, tree=tree and tree[0],
+                                             tree_beam=tree and tree[1])
         except Exception as e:  # noqa: BLE001
             RESULTS["errors"].append(f"{d} K={k} tree={tree}: {e}")
             continue
@@ -130,7 +137,8 @@ def bench_embedded(args):
             hist = np.sum([s["acceptance_histogram"] for s in all_stats], axis=0)
             steps = int(hist.sum())
             mean_acc = float(np.dot(np.arange(len(hist)), hist) / max(steps, 1))
-            row = {"drafter": spec.drafter.name + (f" tree{tree}" if tree else ""), "k": k, "temperature": temp,
+            row = {"drafter": spec.drafter.name + (f" tree{tree[0]}" + (f"/beam{tree[1]}" if tree[1] else "")
+                                                   if tree else ""), "k": k, "temperature": temp,
                    "mean_accepted": round(mean_acc, 3),
                    "tokens_per_step": round(mean_acc + 1, 3), "histogram": hist.tolist(),
                    "plain_tok_s": round(statistics.median(base_tps), 2),
@@ -338,8 +346,8 @@ def main():
     ap.add_argument("--drafters", default=None)
     ap.add_argument("--ks", default=None)
     ap.add_argument("--tree", default="32", help="eagle drafters also with a tree of N nodes at depth 4, or N@K at "
-                    "depth K (width N // K), a comma list (0: off); e.g. 15@5: 15 nodes + root verify as 16 rows, "
-                    "the matmul kernels' small-M configuration")
+                    "depth K (beam N // K), or N@K/W with a beam of W, a comma list (0: off); e.g. 15@5: 15 nodes "
+                    "+ root verify as 16 rows, the matmul kernels' small-M configuration")
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)

@@ -6,7 +6,7 @@
 # Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT, logs.tgz)
 # TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part (RI_TESTS=0 the row-invariance pytest alone); SPEC_EQ=1 adds
 # check_spec_equal.py under the mode; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
-# TREES (bench_spec --tree sizes, default 32,15@5), EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
+# TREES (bench_spec --tree sizes, default 15@5,15@5/8,15@6/6,32: N@K/beam), EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
 # (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py; SPEC_FLAG_AB='f1;f2' times the
 # eagle chain under no XLA_FLAGS and under each setting given.
 set -u
@@ -45,7 +45,7 @@ if [ "${SPEC_EQ:-0}" = 1 ]; then
 fi
 if [ "${SPEC:-1}" = 1 ]; then
   timeout "$(( ${SPEC_SECONDS:-200} + 30 ))" python3 benchmarks/bench_spec.py --model "$M" \
-    --drafters "${DRAFTERS:-eagle:$HEAD,ngram}" --ks 4 --tree "${TREES:-32,15@5}" --syn-ks 4,8 --syn-trees 32,15 --budget "${SPEC_SECONDS:-200}" \
+    --drafters "${DRAFTERS:-eagle:$HEAD,ngram}" --ks 4 --tree "${TREES:-15@5,15@5/8,15@6/6,32}" --syn-ks 4,8 --syn-trees 32,15 --budget "${SPEC_SECONDS:-200}" \
     --reserve 70 ${SPEC_ARGS:-} > "$OUT/spec.log" 2>&1; tail -30 "$OUT/spec.log"
 fi
 if [ -n "${SPEC_FLAG_AB:-}" ]; then

@@ -43,8 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-draft", default="4", metavar="K|auto",
                    help="draft tokens per step with --draft (default 4); auto adapts K in 1,2,4,8")
     p.add_argument("--tree", type=int, default=None, metavar="N",
-                   help="with --draft eagle: verify a tree of N draft nodes (N // K branches per depth, depth K) "
-                        "in one target forward instead of a chain of K")
+                   help="with --draft eagle: verify a tree of N draft nodes (depth K; the N best of what a beam of "
+                        "N // K drafts) in one target forward instead of a chain of K")
+    p.add_argument("--tree-beam", type=int, default=None, metavar="W",
+                   help="with --tree: the beam's width (default N // K); a wider beam drafts more candidates to choose "
+                        "the N nodes from")
     from .jobs import add_job_arguments
 
     add_job_arguments(p)  # --input/--output batch jobs (jobs.py)
@@ -128,7 +131,8 @@ def _run(args) -> int:
     from .llm import LLM
 
     llm = LLM(args.model, kernels=args.kernels, max_context=args.max_context, use_checkpoint=not args.no_checkpoint,
-              draft=args.draft, num_draft=args.num_draft, tree=args.tree, tensor_parallel=args.tensor_parallel)
+              draft=args.draft, num_draft=args.num_draft, tree=args.tree, tree_beam=args.tree_beam,
+              tensor_parallel=args.tensor_parallel)
     prompt = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
         msgs = ([{"role": "system", "content": args.system}] if args.system else [])

@@ -70,7 +70,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, kernels=None, kernels_module: str | None = None,
                  dtype: str | None = None, max_context: int | None = None, max_batch: int = 32, seed: int = 0,
                  use_checkpoint: bool = True, compilation_cache: bool = True, group_size: int = 128,
-                 draft=None, num_draft: int | str = 4, tree: int | None = None, tensor_parallel: int = 1):
+                 draft=None, num_draft: int | str = 4, tree: int | None = None, tree_beam: int | None = None,
+                 tensor_parallel: int = 1):
         t0 = time.perf_counter()
         for name, v, lo in (("max_batch", max_batch, 1), ("max_context", max_context, 2), ("seed", seed, 0)):
             if (v is not None or name != "max_context") and (not is_int(v) or v < lo):
@@ -94,7 +95,8 @@ class LLM:
         if draft is not None:
             from .speculative import SpeculativeDecoder
 
-            self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer, tree=tree)
+            self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer, tree=tree,
+                                                  tree_beam=tree_beam)
         self.max_batch = max_batch
         self._rng = np.random.default_rng(seed)
         self.load_seconds = time.perf_counter() - t0

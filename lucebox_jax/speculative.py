@@ -208,16 +208,20 @@ class SpecState:
     steps: jax.Array  # () target forwards (verify calls) run
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "drafter", "k", "n_logprobs", "tree_width"),
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "drafter", "k", "n_logprobs", "tree_width",
+                                             "tree_nodes"),
                    donate_argnames=("state",))
 def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, dparams, state: SpecState,
-               rp: RowParams, stop_ids, row_max, max_steps, k: int, n_logprobs: int = 0, tree_width: int = 0):
+               rp: RowParams, stop_ids, row_max, max_steps, k: int, n_logprobs: int = 0, tree_width: int = 0,
+               tree_nodes: int = 0):
     """Up to `max_steps` speculative steps with K = k drafts, until every row is done. Fixed shapes throughout.
-    tree_width > 0: a tree of tree_width x k nodes per step instead of a chain (tree.py)."""
+    tree_width > 0: a tree per step instead of a chain (tree.py): the best tree_nodes (default tree_width x k) of
+    what a beam of tree_width drafts to depth k."""
+    tree_nodes = tree_nodes or tree_width * k
     b, m = state.bufs.tokens.shape
     s = state.cache.max_len
     kmax = state.hist.shape[0] - 1
-    span = max(kmax, tree_width * k)  # cache slots a step writes past the length
+    span = max(kmax, tree_nodes)  # cache slots a step writes past the length
     rows = jnp.arange(b)[:, None]
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
 
@@ -232,7 +236,7 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         if tree_width:
             from .tree import tree_verify
 
-            tt, tp, td = drafter.propose_tree(dparams, st.dstate, st.tok, start, tree_width, k)
+            tt, tp, td = drafter.propose_tree(dparams, st.dstate, st.tok, start, tree_width, k, tree_nodes)
             dstate = st.dstate
             n, drafts, nxt, plog, hidden, cache = tree_verify(cfg, kernels, weights, st.cache, st.tok, tt, tp, td, rp,
                                                               st.seen, tree_width, k, drafter.hidden_layers)
@@ -289,7 +293,7 @@ class SpeculativeDecoder:
 
     def __init__(self, engine: Engine, drafter, num_draft: int | str = 4, k_choices=AUTO_K,
                  adapt_every: int = 4, verify_cost: float | None = None, stream_steps: int = 2,
-                 tree: int | None = None):
+                 tree: int | None = None, tree_beam: int | None = None):
         if isinstance(num_draft, str):
             if num_draft.strip().lower() != "auto":
                 try:
@@ -308,7 +312,10 @@ class SpeculativeDecoder:
         self.engine = engine
         self.drafter = drafter
         self.kmax = max(self.ks)
-        self.tree_width = 0  # tree verification: N nodes = width x depth K (tree.py)
+        self.tree_width = 0  # tree verification (tree.py): the beam's width; the N best nodes of what it drafts
+        self.tree_nodes = 0
+        if tree is None and tree_beam is not None:
+            raise InvalidSamplingParamsError("--tree-beam goes with --tree N")
         if tree is not None:
             if self.adaptive:
                 raise InvalidSamplingParamsError("--tree needs a fixed --num-draft K (the tree's depth), not auto")
@@ -316,10 +323,17 @@ class SpeculativeDecoder:
                 raise InvalidSamplingParamsError(f"--tree needs a drafter that proposes trees (eagle), not "
                                                  f"{drafter.name}")
             if isinstance(tree, bool) or not isinstance(tree, int) or not self.kmax <= tree <= 256:
-                raise InvalidSamplingParamsError(f"--tree N needs an integer N in {self.kmax}..256 (nodes; width = "
-                                                 f"N // K), got {tree!r}")
-            self.tree_width = tree // self.kmax
-        self.span = max(self.kmax, self.tree_width * self.kmax)  # cache slots one step writes past a row's length
+                raise InvalidSamplingParamsError(f"--tree N needs an integer N in {self.kmax}..256 (nodes), got "
+                                                 f"{tree!r}")
+            beam = tree // self.kmax if tree_beam is None else tree_beam
+            # the beam drafts beam candidates at depth 1 and beam x beam at each deeper level
+            most = beam + (self.kmax - 1) * beam * beam
+            if isinstance(beam, bool) or not isinstance(beam, int) or not 1 <= beam <= 64 or tree > most:
+                raise InvalidSamplingParamsError(
+                    f"--tree-beam W needs an integer W in 1..64 whose beam drafts at least N = {tree} candidates "
+                    f"(W + (K - 1) W^2 with K = {self.kmax}), got {beam!r}")
+            self.tree_width, self.tree_nodes = beam, tree
+        self.span = max(self.kmax, self.tree_nodes)  # cache slots one step writes past a row's length
         self.adapt_every = adapt_every
         self.stream_steps = stream_steps
         # cost of one extra verified position relative to a decode step (for adaptive K; bench_spec measures it)
@@ -335,7 +349,7 @@ class SpeculativeDecoder:
 
     def describe(self) -> str:
         k = f"auto{list(self.ks)}" if self.adaptive else str(self.ks[0])
-        tree = f", tree {self.tree_width}x{self.kmax}" if self.tree_width else ""
+        tree = f", tree of {self.tree_nodes} (beam {self.tree_width}, depth {self.kmax})" if self.tree_width else ""
         return f"{self.drafter.name}, K={k}{tree}"
 
     def cache_len(self, needed: int) -> int:
@@ -382,10 +396,10 @@ class SpeculativeDecoder:
     def _chunk(self, state: SpecState, rp, stop, row_max, max_steps: int, k: int, n_logprobs: int):
         eng = self.engine
         key = ("spec", self.drafter.key, k, state.bufs.tokens.shape, state.cache.max_len, n_logprobs,
-               stop.shape[1], self.kmax, self.tree_width)
+               stop.shape[1], self.kmax, self.tree_width, self.tree_nodes)
         return eng._timed_first(key, spec_chunk, eng.cfg, eng.kernels, self.drafter, eng.weights,
                                 self.drafter.params, state, rp, stop, row_max, jnp.int32(max_steps), k=k,
-                                n_logprobs=n_logprobs, tree_width=self.tree_width)
+                                n_logprobs=n_logprobs, tree_width=self.tree_width, tree_nodes=self.tree_nodes)
 
     def _pick_k(self, hist: np.ndarray, k_steps: dict) -> int:
         """Adaptive K: estimate the per-draft acceptance rate from the histogram so far and pick the K of best
@@ -420,7 +434,7 @@ class SpeculativeDecoder:
         rows = int(hist.sum())
         mean_acc = float(np.dot(np.arange(len(hist)), hist) / rows) if rows else 0.0
         st = {"drafter": self.drafter.name, "num_draft": "auto" if self.adaptive else self.ks[0],
-              "tree_nodes": self.tree_width * self.kmax,
+              "tree_nodes": self.tree_nodes, "tree_beam": self.tree_width,
               "target_steps": int(state.steps), "row_steps": rows, "mean_accepted": mean_acc,
               "tokens_per_step": mean_acc + 1.0 if rows else 0.0, "acceptance_histogram": hist.tolist(),
               "k_steps": {int(k): int(v) for k, v in sorted(getattr(self, "_k_steps", {}).items())}}

@@ -250,12 +250,12 @@ def _save_state(path, head, opt_state, step):
 
 
 def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, prompts, max_new: int, k: int = 4,
-                       batch: int = 8, tree: int | None = None) -> dict:
+                       batch: int = 8, tree: int | None = None, tree_beam: int | None = None) -> dict:
     """Greedy speculative decoding with the head (a chain of k, or a tree of `tree` nodes) on held-out prompts: mean
     accepted drafts per step, and whether the output equals plain greedy decoding token for token."""
     from .speculative import SpeculativeDecoder
 
-    spec = SpeculativeDecoder(engine, EagleDrafter(hc, head, engine), k, tree=tree)
+    spec = SpeculativeDecoder(engine, EagleDrafter(hc, head, engine), k, tree=tree, tree_beam=tree_beam)
     hist, same, rows = None, 0, 0
     for i in range(0, len(prompts), batch):
         ps = prompts[i: i + batch]
@@ -279,7 +279,7 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
         h = np.asarray(spec.last_stats["acceptance_histogram"])
         hist = h if hist is None else hist + h
     mean = float(np.dot(np.arange(len(hist)), hist) / max(1, hist.sum()))
-    return {"k": k, "tree": tree, "prompts": len(prompts), "mean_accepted": round(mean, 3),
+    return {"k": k, "tree": tree, "tree_beam": spec.tree_width or None, "prompts": len(prompts), "mean_accepted": round(mean, 3),
             "tokens_per_step": round(mean + 1, 3),
             "histogram": hist.tolist(), "greedy_equal_rows": f"{same}/{rows}"}
 
@@ -302,7 +302,8 @@ def evaluate_heads(engine: Engine, tokenizer, args, log) -> int:
         t0 = time.perf_counter()
         row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k)}
         if args.tree:
-            row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k, tree=args.tree)
+            row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k, tree=args.tree,
+                                             tree_beam=args.tree_beam)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
         log(f"{folder}: {row['chain']['mean_accepted']} accepted drafts/step (chain)"
@@ -337,6 +338,8 @@ def build_parser():
     p.add_argument("--holdout-tokens", type=int, default=96)
     p.add_argument("--tree", type=int, default=32, help="also measure held-out acceptance with a tree of N nodes "
                                                           "(0: chain only)")
+    p.add_argument("--tree-beam", type=int, default=None, metavar="W",
+                   help="the tree's beam width (default N // K): the tree is the N best of what it drafts")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kernels", default=None)
     return p

@@ -36,16 +36,19 @@ def test_ancestors():
     assert anc[0].tolist() == [True] + [False] * 5
 
 
-def test_tree_greedy_equal(eng, nodes=12, k=3):
+@pytest.mark.parametrize("nodes,k,beam", [(12, 3, None), (10, 3, 5)])
+def test_tree_greedy_equal(eng, nodes, k, beam):
+    """(10, 3, 5): a beam of 5 drafts 5 + 2 x 25 candidates, of which the 10 best are the tree (not a multiple of
+    K, nodes with up to 5 children)."""
     hc = EagleConfig.for_target(CFG)
     d = EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng)
     ps = tiny_prompts([10, 17, 5], seed=3)
-    spec = SpeculativeDecoder(eng, d, k, tree=nodes)
-    assert spec.describe().endswith(f"tree {nodes // k}x{k}")
+    spec = SpeculativeDecoder(eng, d, k, tree=nodes, tree_beam=beam)
+    assert spec.describe().endswith(f"tree of {nodes} (beam {beam or nodes // k}, depth {k})")
     assert run(eng, spec, ps, 16) == run(eng, None, ps, 16)
     assert run(eng, spec, ps[:1], 16) == run(eng, None, ps[:1], 16)
     assert run(eng, spec, ps, 16, rep=1.5) == run(eng, None, ps, 16, rep=1.5)
-    assert spec.last_stats["tree_nodes"] == nodes // k * k and spec.last_stats["row_steps"] > 0
+    assert spec.last_stats["tree_nodes"] == nodes and spec.last_stats["row_steps"] > 0
     sampled = run(eng, spec, ps, 16, temp=0.8, seed=4)
     assert sampled == run(eng, spec, ps, 16, temp=0.8, seed=4) and all(len(r) == 16 for r in sampled)
 
@@ -59,6 +62,12 @@ def test_tree_refused_without_a_tree_drafter(eng):
         SpeculativeDecoder(eng, d, "auto", tree=16)
     with pytest.raises(InvalidSamplingParamsError, match="tree"):
         SpeculativeDecoder(eng, d, 4, tree=2)
+    with pytest.raises(InvalidSamplingParamsError, match="--tree-beam goes with --tree"):
+        SpeculativeDecoder(eng, d, 4, tree_beam=3)
+    with pytest.raises(InvalidSamplingParamsError, match="drafts at least N = 16"):  # 1 + 3 x 1 = 4 candidates
+        SpeculativeDecoder(eng, d, 4, tree=16, tree_beam=1)
+    with pytest.raises(InvalidSamplingParamsError, match="tree-beam"):
+        SpeculativeDecoder(eng, d, 4, tree=16, tree_beam=0)
 
 
 def test_tree_rejection_sampling_follows_the_target():
@@ -210,3 +219,16 @@ def test_children_lists_each_node_in_window_order():
     kids = np.asarray(children(parent, 3))
     assert kids[0, 0].tolist() == [1, 2, 0] and kids[0, 1].tolist() == [3, 5, 6] and kids[0, 2].tolist() == [4, 0, 0]
     assert kids[1, :, 0].tolist() == [1, 2, 3, 4, 5, 6, 0] and kids[1, :, 1:].max() == 0
+
+
+def test_bench_spec_reads_tree_shapes():
+    """benchmarks/bench_spec.py --tree items: N (depth 4), N@K, N@K/W (a beam of W)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import bench_spec
+    finally:
+        sys.path.pop(0)
+    assert [bench_spec.parse_tree(x) for x in ("32", "15@5", " 15@5/8")] == [(32, 4, None), (15, 5, None), (15, 5, 8)]
