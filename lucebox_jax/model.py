@@ -100,7 +100,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 
 # one-row norms scaled after their matmul (normed_linear); False: before it, as rms_norm (benchmarks A/B this)
 DEFER_ONE_ROW_NORM = True
-# a decode step's K/V appended by the decode kernel itself when it takes `new_kv` (False: written first; A/B)
+# a decode step's K/V appended by the decode kernel itself when it takes `append` (False: written first; A/B)
 APPEND_KV = True
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16

@@ -327,8 +327,8 @@ class SpeculativeDecoder:
                                                  f"{tree!r}")
             beam = tree // self.kmax if tree_beam is None else tree_beam
             # the beam drafts beam candidates at depth 1 and beam x beam at each deeper level
-            most = beam + (self.kmax - 1) * beam * beam
-            if isinstance(beam, bool) or not isinstance(beam, int) or not 1 <= beam <= 64 or tree > most:
+            if (isinstance(beam, bool) or not isinstance(beam, int) or not 1 <= beam <= 64
+                    or tree > beam + (self.kmax - 1) * beam * beam):
                 raise InvalidSamplingParamsError(
                     f"--tree-beam W needs an integer W in 1..64 whose beam drafts at least N = {tree} candidates "
                     f"(W + (K - 1) W^2 with K = {self.kmax}), got {beam!r}")

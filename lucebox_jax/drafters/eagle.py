@@ -247,8 +247,8 @@ class EagleDrafter(Drafter):
         return drafts, q, state.replace(k=kc, v=vc)
 
     def propose_tree(self, params, state: EagleState, tok, start, width: int, depth: int, nodes: int = 0):
-        """A token tree of `nodes` (default width * depth) nodes, EAGLE-2's way at a fixed size. Expansion is a beam: the `width` most
-        likely tokens after `tok`, then at each depth the `width` best (by cumulative log probability) of the
+        """A token tree of `nodes` (default width * depth) nodes, EAGLE-2's way at a fixed size. Expansion is a beam:
+        the `width` most likely tokens after `tok`, then at each depth the `width` best (by cumulative log probability) of the
         width * width children of the frontier run the head, each on its own chain (committed cache + its ancestors'
         keys: the pattern the head was trained on). The tree is then the best `nodes` of ALL the candidates
         drafted, whatever their depth (`select_nodes`): deep where the head is sure, bushy where it is not. The
