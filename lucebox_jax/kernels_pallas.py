@@ -20,7 +20,8 @@ log = logging.getLogger(__name__)
 
 # which ops make `pallas` the GPU default (from the H200 measurement)
 _GPU_DEFAULT = {"qmatmul": True, "qmatmul8": True, "attention_decode": True, "attention_prefill": True,
-                "attention_tree": True}  # (H200, 2026-12-04: an 8B tree of 32 verifies in 1.97x a step, xla 2.24x)
+                "attention_tree": True,  # (H200, 2026-12-04: an 8B tree of 32 verifies in 1.97x a step, xla 2.24x)
+                "kv_move": True}  # one launch for a tree's path in every layer, against 2 kernels a layer (not timed)
 # qmatmul rows above this go to XLA's dequantize + dot on the GPU (H200: Pallas 1.1-2.3x faster at M <= 64,
 # XLA 1.6-2x faster at M = 512)
 _PALLAS_MAX_M = 64
@@ -31,6 +32,7 @@ try:
     from pallas_kernels.attention_tree import attention_tree
     from pallas_kernels.int4_matmul import qmatmul_pallas
     from pallas_kernels.int8_matmul import qmatmul8_pallas
+    from pallas_kernels.kv_move import kv_move
 except Exception as e:  # noqa: BLE001 - any import failure must not break the package
     log.warning("Pallas kernels unavailable (%s: %s); only the xla kernels are registered", type(e).__name__, e)
 else:
@@ -86,6 +88,10 @@ else:
             return kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale, window=window)
         return attention_prefill_pallas(q, k, v, start, scale=scale, interpret=_interpret(),
                                         row_invariant=_invariant())
+
+    @ops.register("kv_move", "pallas", default_on=_on("kv_move"))
+    def kv_move_pallas_op(caches, src, dst):
+        return kv_move(tuple(caches), src, dst, interpret=_interpret())
 
     @ops.register("attention_tree", "pallas", default_on=_on("attention_tree"))
     def attention_tree_pallas_op(q, k, v, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None,

@@ -87,6 +87,16 @@ def write_kv(cache_l, new, start):
     return jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice(c, n, (0, s, 0)))(cache_l, new, start)
 
 
+@ops.register("kv_move", "xla", default_on=("cpu",))
+def kv_move_xla(caches, src, dst):
+    """Per cache, the source slots gathered and written back as one block (`write_kv`: one row, no scatter)."""
+    def one(c):
+        got = jnp.take_along_axis(c, src[:, None, :, None], axis=2)  # [B, Hkv, n, D]
+        return write_kv(c, got.transpose(0, 2, 1, 3), dst)
+
+    return tuple(one(c) for c in caches)
+
+
 @ops.register("attention_decode", "xla", default_on=("cpu",))
 def attention_decode_xla(q, k, v, lengths, rows=None, *, scale, window: int | None = None):
     if quant.ROW_INVARIANT:

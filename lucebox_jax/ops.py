@@ -1,5 +1,5 @@
-"""Kernel registry: every op the model needs (`qmatmul`, `qmatmul8`, `attention_prefill`, `attention_decode`) is
-looked up by name, so research code swaps kernels without touching the model (the vLLM attention-backend pattern).
+"""Kernel registry: every op the model needs (`qmatmul`, `qmatmul8`, `attention_prefill`, `attention_decode`,
+`attention_tree`, `kv_move`) is looked up by name, so research code swaps kernels without touching the model (the vLLM attention-backend pattern).
 
     from lucebox_jax import ops
 
@@ -29,7 +29,7 @@ import jax
 
 from .errors import UnknownKernelError
 
-OPS = ("qmatmul", "qmatmul8", "attention_prefill", "attention_decode", "attention_tree")
+OPS = ("qmatmul", "qmatmul8", "attention_prefill", "attention_decode", "attention_tree", "kv_move")
 
 OP_SIGNATURES = {
     "qmatmul": "fn(x [M, K], w: QuantArray [K, N]) -> [M, N] (x.dtype)",
@@ -52,6 +52,11 @@ OP_SIGNATURES = {
         "with window=W (sliding-window layers) a node at positions[b, t] sees only cache slots > positions - W; "
         "optional in_cache=True (the model's tree verify): the window's keys also sit in the cache at slots "
         "n_visible[b] + j, where a kernel may read them"
+    ),
+    "kv_move": (
+        "fn(caches: tuple of [B, Hkv, S, D], src [B, n] int32, dst [B] int32) -> the caches with slots src[b, j] "
+        "copied to dst[b] + j, all sources read before any write (a speculative tree's accepted path moved into "
+        "place); dst is placed as a dynamic-update-slice places an n-slot block"
     ),
 }
 
@@ -188,6 +193,7 @@ class KernelSet:
     attention_prefill: str = "xla"
     attention_decode: str = "xla"
     attention_tree: str = "xla"
+    kv_move: str = "xla"
 
     @classmethod
     def resolve(cls, spec: "str | dict | KernelSet | None" = None, backend: str | None = None) -> "KernelSet":

@@ -192,8 +192,8 @@ class TensorParallel:
         return _sharded_init(self)(cfg, batch, max_len)
 
     def wrap_kernels(self, kernels: KernelSet) -> KernelSet:
-        """The kernel set with every non-`xla` attention kernel (trees included) run per shard under shard_map,
-        registered as `NAME@tpN` (the qmatmul kernels already run per shard inside `ShardedLinear`)."""
+        """The kernel set with every non-`xla` attention kernel (trees included) and KV move run per shard under
+        shard_map, registered as `NAME@tpN` (the qmatmul kernels already run per shard inside `ShardedLinear`)."""
         chosen = {}
         for op in ("attention_decode", "attention_prefill"):
             name = getattr(kernels, op)
@@ -203,6 +203,12 @@ class TensorParallel:
             ops.register(op, wrapped)(_per_shard_attention(ops.get(op, name), self.mesh, self.heads_split,
                                                            decode=op == "attention_decode"))
             chosen[op] = wrapped
+        name = kernels.kv_move
+        if name != "xla" and "@tp" not in name:
+            wrapped = f"{name}@tp{self.size}" + ("" if self.heads_split else "r")
+            ops.register("kv_move", wrapped)(_per_shard_kv_move(ops.get("kv_move", name), self.mesh,
+                                                                self.heads_split))
+            chosen["kv_move"] = wrapped
         name = kernels.attention_tree
         if name != "xla" and "@tp" not in name:
             wrapped = f"{name}@tp{self.size}" + ("" if self.heads_split else "r")
@@ -233,6 +239,22 @@ def _per_shard_tree(fn, mesh: Mesh, heads_split: bool):
             return body(*args)
         return jax.shard_map(body, mesh=mesh, in_specs=(h4, kv_spec, kv_spec, P(), h4, h4) + (P(),) * (len(args) - 6),
                              out_specs=h4, check_vma=False)(*args)
+
+    return run
+
+
+def _per_shard_kv_move(fn, mesh: Mesh, heads_split: bool):
+    """`fn` (a kv_move kernel) run on each device's KV heads of every cache."""
+    kv_spec = P(None, AXIS, None, None) if heads_split else P()
+
+    @functools.wraps(fn)
+    def run(caches, src, dst):
+        caches = tuple(caches)
+        if heads_split and caches[0].shape[1] % mesh.size:
+            return fn(caches, src, dst)
+        specs = (kv_spec,) * len(caches)
+        return jax.shard_map(lambda c, s, d: tuple(fn(c, s, d)), mesh=mesh, in_specs=(specs, P(), P()),
+                             out_specs=specs, check_vma=False)(caches, src, dst)
 
     return run
 

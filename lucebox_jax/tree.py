@@ -20,7 +20,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .model import KVCache, _write_kv, forward
+from . import ops
+from .model import KVCache, forward
+from .ops import KernelSet
 from .sampling import by_temperature, filter_logits, if_penalized
 
 TAG_TREE = 4
@@ -128,15 +130,12 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
     return n, jnp.stack(path, axis=1), nxt
 
 
-def move_path_kv(cache: KVCache, start, path, depth: int) -> KVCache:
-    """Copy the path's window slots start + path[j] to slots start + 1 + j in every layer."""
-    src = start[:, None] + path  # [B, depth]
-
-    def move(c):
-        got = jnp.take_along_axis(c, src[:, None, :, None], axis=2)  # [B, Hkv, depth, hd]
-        return _write_kv(c, got.transpose(0, 2, 1, 3), start + 1)  # (one row: no scatter; see model._write_kv)
-
-    return KVCache(k=tuple(move(c) for c in cache.k), v=tuple(move(c) for c in cache.v), lengths=cache.lengths)
+def move_path_kv(cache: KVCache, start, path, depth: int, kernels: KernelSet | None = None) -> KVCache:
+    """Copy the path's window slots start + path[j] to slots start + 1 + j in every layer (the `kv_move` op: XLA
+    makes a kernel of each cache, the Pallas kernel one for all of them)."""
+    n = len(cache.k)
+    moved = ops.get("kv_move", (kernels or KernelSet()).kv_move)(cache.k + cache.v, start[:, None] + path, start + 1)
+    return KVCache(k=tuple(moved[:n]), v=tuple(moved[n:]), lengths=cache.lengths)
 
 
 def tree_verify(cfg, kernels, weights, cache: KVCache, tok, tokens, parent, depths, rp, seen, width: int,
@@ -162,7 +161,7 @@ def tree_verify(cfg, kernels, weights, cache: KVCache, tok, tokens, parent, dept
 
         logits = if_penalized(rp, penalize, logits)
     n, path, nxt = tree_accept(logits, tokens, parent, depths, rp, rp.keys, start + 1, width, depth)
-    cache = move_path_kv(cache, start, path, depth)
+    cache = move_path_kv(cache, start, path, depth, kernels)
     along = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # window indices of the committed chain
     path_logits = jnp.take_along_axis(raw, along[:, :, None], axis=1)
     path_tokens = jnp.take_along_axis(tokens, jnp.maximum(path - 1, 0), axis=1)

@@ -259,6 +259,48 @@ def test_attention_decode_registered():
     assert rel(y, kernels_xla.attention_decode_xla(q, k, v, lengths, scale=0.125)) < TOL[jnp.float32]
 
 
+# ------------------------------------------------------------------------------------------------ KV move
+MOVE_CASES = [  # B, Hkv, S, D, caches, starts, paths (window indices; 0 past the accepted ones)
+    (1, 3, 64, 64, 4, [9], [[1, 3, 6, 8, 0]]),  # SmolLM2 heads, one row, 4 of 5 accepted (then zeros)
+    (2, 2, 32, 16, 3, [3, 20], [[2, 4, 7], [1, 2, 3]]),  # batch 2; row 1 moves its chain onto itself
+    (2, 2, 32, 16, 2, [30, -40], [[1, 0, 0], [1, 2, 3]]),  # blocks past either end, placed as a DUS places them
+]
+
+
+def _move_case(b, hkv, s, d, n_caches, starts, paths, seed):
+    rng = np.random.default_rng(seed)
+    caches = tuple(jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(n_caches))
+    start, path = jnp.asarray(starts, jnp.int32), jnp.asarray(paths, jnp.int32)
+    return caches, jnp.clip(start[:, None] + path, 0, s - 1), start + 1
+
+
+@pytest.mark.parametrize("case", MOVE_CASES)
+def test_kv_move_equals_the_gather_then_write(case):
+    """The one-launch KV move (interpret mode) against its jnp twin and the registered `xla` move, bit for bit; the
+    caches are donated, as the speculative step does."""
+    from pallas_kernels.kv_move import kv_move, kv_move_reference
+
+    caches, src, dst = _move_case(*case, seed=len(case[5]))
+    want = kv_move_reference(caches, src, dst)
+    for got in (jax.jit(lambda c: kv_move(c, src, dst, interpret=True), donate_argnums=0)(
+                    tuple(jnp.copy(c) for c in caches)),
+                ops.get("kv_move", "xla")(caches, src, dst), ops.get("kv_move", "pallas")(caches, src, dst)):
+        assert all((np.asarray(a) == np.asarray(w)).all() for a, w in zip(got, want))
+    assert not all((np.asarray(a) == np.asarray(c)).all() for a, c in zip(want, caches))  # something moved
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", MOVE_CASES)
+def test_kv_move_gpu(case):
+    from pallas_kernels.kv_move import kv_move, kv_move_reference
+
+    caches, src, dst = _move_case(*case, seed=len(case[5]))
+    want = kv_move_reference(caches, src, dst)
+    got = jax.jit(lambda c: kv_move(c, src, dst), donate_argnums=0)(tuple(jnp.copy(c) for c in caches))
+    assert all((np.asarray(a) == np.asarray(w)).all() for a, w in zip(got, want))
+
+
 # ------------------------------------------------------------------------------------------------ tree attention
 TCASES = [  # B, T nodes, Hq, Hkv, S, D, visible cache slots, dtype, knobs
     (1, 9, 8, 2, 96, 64, [37], jnp.float32, dict(block_k=32)),  # G = 4: 36 query rows per kv head, one tile

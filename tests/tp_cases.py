@@ -200,3 +200,21 @@ def test_pallas_tree_attention_runs_per_shard(tiny_weights):
         out.append(np.asarray(logits))
     assert eng.kernels.attention_tree == "pallas@tp2"
     np.testing.assert_allclose(out[1], out[0], rtol=2e-4, atol=2e-4)
+
+
+def test_pallas_kv_move_runs_per_shard(tiny_weights):
+    """`kv_move=pallas` at tensor_parallel=2 (as `pallas@tp2`: each device moves its own KV heads) moves a tree's
+    path as the one-device XLA move does, bit for bit, on a cache split by heads."""
+    from lucebox_jax.tree import move_path_kv
+
+    eng = Engine(TINY, tiny_weights, KernelSet.resolve("kv_move=pallas"), tensor_parallel=2)
+    assert eng.kernels.kv_move == "pallas@tp2"
+    cache = eng.new_cache(2, 64)
+    keys = jax.random.split(jax.random.key(5), 2 * len(cache.k))
+    cache = cache.replace(k=tuple(c + jax.random.normal(kk, c.shape, c.dtype) for c, kk in zip(cache.k, keys)),
+                          v=tuple(c - jax.random.normal(kk, c.shape, c.dtype) for c, kk in zip(cache.v, keys[::-1])))
+    start, path = jnp.asarray([6, 20], jnp.int32), jnp.asarray([[2, 4, 7], [1, 0, 0]], jnp.int32)
+    got = jax.jit(lambda c: move_path_kv(c, start, path, 3, eng.kernels))(cache)
+    want = move_path_kv(jax.device_get(cache), start, path, 3)
+    for a, b in zip(got.k + got.v, want.k + want.v):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
