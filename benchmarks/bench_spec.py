@@ -79,7 +79,7 @@ def bench_embedded(args):
     from lucebox_jax.loader import default_model_path
     from lucebox_jax.speculative import SpeculativeDecoder
 
-    llm = LLM(args.model)
+    llm = LLM(args.model, kernels=args.kernels)
     tok = llm.get_tokenizer()
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[: args.prompts]]
     drafters = args.drafters.split(",")
@@ -348,6 +348,8 @@ def main():
     ap.add_argument("--tree", default="32", help="eagle drafters also with a tree of N nodes at depth 4, or N@K at "
                     "depth K (beam N // K), or N@K/W with a beam of W, a comma list (0: off); e.g. 15@5: 15 nodes "
                     "+ root verify as 16 rows, the matmul kernels' small-M configuration")
+    ap.add_argument("--kernels", default=None, help="kernel choices for part A, e.g. kv_move=xla (an A/B against "
+                    "the defaults)")
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--prompts", type=int, default=None)
     ap.add_argument("--max-tokens", type=int, default=None)
