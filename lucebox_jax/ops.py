@@ -1,5 +1,6 @@
 """Kernel registry: every op the model needs (`qmatmul`, `qmatmul8`, `attention_prefill`, `attention_decode`,
-`attention_tree`, `kv_move`) is looked up by name, so research code swaps kernels without touching the model (the vLLM attention-backend pattern).
+`attention_tree`, `kv_move`) is looked up by name, so research code swaps kernels without touching the model (the
+vLLM attention-backend pattern).
 
     from lucebox_jax import ops
 

@@ -194,27 +194,20 @@ class TensorParallel:
     def wrap_kernels(self, kernels: KernelSet) -> KernelSet:
         """The kernel set with every non-`xla` attention kernel (trees included) and KV move run per shard under
         shard_map, registered as `NAME@tpN` (the qmatmul kernels already run per shard inside `ShardedLinear`)."""
+        per_shard = {  # op -> fn -> the same kernel run on each device's heads
+            "attention_decode": lambda fn: _per_shard_attention(fn, self.mesh, self.heads_split, decode=True),
+            "attention_prefill": lambda fn: _per_shard_attention(fn, self.mesh, self.heads_split, decode=False),
+            "attention_tree": lambda fn: _per_shard_tree(fn, self.mesh, self.heads_split),
+            "kv_move": lambda fn: _per_shard_kv_move(fn, self.mesh, self.heads_split),
+        }
         chosen = {}
-        for op in ("attention_decode", "attention_prefill"):
+        for op, wrap in per_shard.items():
             name = getattr(kernels, op)
             if name == "xla" or "@tp" in name:
                 continue
             wrapped = f"{name}@tp{self.size}" + ("" if self.heads_split else "r")
-            ops.register(op, wrapped)(_per_shard_attention(ops.get(op, name), self.mesh, self.heads_split,
-                                                           decode=op == "attention_decode"))
+            ops.register(op, wrapped)(wrap(ops.get(op, name)))
             chosen[op] = wrapped
-        name = kernels.kv_move
-        if name != "xla" and "@tp" not in name:
-            wrapped = f"{name}@tp{self.size}" + ("" if self.heads_split else "r")
-            ops.register("kv_move", wrapped)(_per_shard_kv_move(ops.get("kv_move", name), self.mesh,
-                                                                self.heads_split))
-            chosen["kv_move"] = wrapped
-        name = kernels.attention_tree
-        if name != "xla" and "@tp" not in name:
-            wrapped = f"{name}@tp{self.size}" + ("" if self.heads_split else "r")
-            ops.register("attention_tree", wrapped)(_per_shard_tree(ops.get("attention_tree", name), self.mesh,
-                                                                    self.heads_split))
-            chosen["attention_tree"] = wrapped
         return dataclasses.replace(kernels, **chosen)
 
 
