@@ -475,7 +475,8 @@ def format_stats(st: dict) -> str:
     pct = " ".join(f"{100.0 * c / total:.0f}%" for c in hist)
     ks = st.get("k_steps") or {}
     kinfo = f" | K used {ks}" if len(ks) > 1 else ""
-    return (f"speculative [{st.get('drafter')}, K={st.get('num_draft')}]: "
+    tree = (f", tree of {st['tree_nodes']} (beam {st.get('tree_beam')})" if st.get("tree_nodes") else "")
+    return (f"speculative [{st.get('drafter')}, K={st.get('num_draft')}{tree}]: "
             f"mean accepted {st.get('mean_accepted', 0):.2f} drafts/step, {st.get('tokens_per_step', 0):.2f} tokens/step over {st.get('row_steps', 0)} steps | "
             f"histogram (accepted: steps) {h} ({pct}){kinfo}")
 

@@ -14,7 +14,7 @@ from lucebox_jax.engine import Engine, enable_compilation_cache
 from lucebox_jax.errors import InvalidSamplingParamsError
 from lucebox_jax.ops import KernelSet
 from lucebox_jax.sampling import RowParams
-from lucebox_jax.speculative import SpeculativeDecoder
+from lucebox_jax.speculative import SpeculativeDecoder, format_stats
 from lucebox_jax.synthetic import PRESETS, random_weights
 from lucebox_jax.tree import ancestors, tree_accept
 from test_speculative import run, tiny_prompts
@@ -49,6 +49,7 @@ def test_tree_greedy_equal(eng, nodes, k, beam):
     assert run(eng, spec, ps[:1], 16) == run(eng, None, ps[:1], 16)
     assert run(eng, spec, ps, 16, rep=1.5) == run(eng, None, ps, 16, rep=1.5)
     assert spec.last_stats["tree_nodes"] == nodes and spec.last_stats["row_steps"] > 0
+    assert f"K={k}, tree of {nodes} (beam {beam or nodes // k})]" in format_stats(spec.last_stats)
     sampled = run(eng, spec, ps, 16, temp=0.8, seed=4)
     assert sampled == run(eng, spec, ps, 16, temp=0.8, seed=4) and all(len(r) == 16 for r in sampled)
 
