@@ -279,7 +279,8 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
         h = np.asarray(spec.last_stats["acceptance_histogram"])
         hist = h if hist is None else hist + h
     mean = float(np.dot(np.arange(len(hist)), hist) / max(1, hist.sum()))
-    return {"k": k, "tree": tree, "tree_beam": spec.tree_width or None, "prompts": len(prompts), "mean_accepted": round(mean, 3),
+    return {"k": k, "tree": tree, "tree_beam": spec.tree_width or None, "prompts": len(prompts),
+            "mean_accepted": round(mean, 3),
             "tokens_per_step": round(mean + 1, 3),
             "histogram": hist.tolist(), "greedy_equal_rows": f"{same}/{rows}"}
 

@@ -17,9 +17,10 @@ speculative verify of T positions runs as B * T decode rows.
 array as XLA's rope fusion writes it. The kernel appends that key and value to the cache itself: the program whose
 chunk holds slot lengths[b] - 1 writes them there (the cache buffers are aliased in and out) and every tile that
 holds the slot reads the new key in place of the stale one, so the result is bitwise that of writing the cache first
-and then attending, without the writes' two kernels a layer and with one input fusion instead of three.  `row_invariant=True` fixes n_split by the cache shape
-alone (as for one row) and merges the splits in order, so a row's output does not depend on how many rows share
-the call (lucebox_jax.quant.ROW_INVARIANT).
+and then attending, without the writes' two kernels a layer and with one input fusion instead of three.
+
+`row_invariant=True` fixes n_split by the cache shape alone (as for one row) and merges the splits in order, so a
+row's output does not depend on how many rows share the call (lucebox_jax.quant.ROW_INVARIANT).
 """
 
 from __future__ import annotations
@@ -224,11 +225,11 @@ def attention_decode(
     )(lengths, *row_arg, qg, k, v, *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
     if append:
         *outs, k, v = outs
-        return _attend(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret), k, v
-    return _attend(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret)
+        return _merge_splits(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret), k, v
+    return _merge_splits(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret)
 
 
-def _attend(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret):
+def _merge_splits(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret):
     """The kernel's outputs -> the attention output: as they are (one split), or the splits merged."""
     hkv = outs[0].shape[1]
     g = hq // hkv

@@ -248,11 +248,11 @@ class EagleDrafter(Drafter):
 
     def propose_tree(self, params, state: EagleState, tok, start, width: int, depth: int, nodes: int = 0):
         """A token tree of `nodes` (default width * depth) nodes, EAGLE-2's way at a fixed size. Expansion is a beam:
-        the `width` most likely tokens after `tok`, then at each depth the `width` best (by cumulative log probability) of the
-        width * width children of the frontier run the head, each on its own chain (committed cache + its ancestors'
-        keys: the pattern the head was trained on). The tree is then the best `nodes` of ALL the candidates
-        drafted, whatever their depth (`select_nodes`): deep where the head is sure, bushy where it is not. The
-        head's cache is not changed.
+        the `width` most likely tokens after `tok`, then at each depth the `width` best (by cumulative log
+        probability) of the width * width children of the frontier run the head, each on its own chain (committed
+        cache + its ancestors' keys: the pattern the head was trained on). The tree is then the best `nodes` of ALL
+        the candidates drafted, whatever their depth (`select_nodes`): deep where the head is sure, bushy where it is
+        not. The head's cache is not changed.
         -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth); nodes in window
         order are shallow first, parents before children, at most `width` children a node."""
         hc = self.hc
