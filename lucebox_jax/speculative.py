@@ -234,12 +234,13 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         start = st.cache.lengths
         active = ~st.done
         if tree_width:
-            from .tree import tree_verify
+            from .tree import SAMPLE_CHILDREN, tree_verify
 
-            tt, tp, td = drafter.propose_tree(dparams, st.dstate, st.tok, start, tree_width, k, tree_nodes)
+            tt, tp, td, tq = drafter.propose_tree(dparams, st.dstate, st.tok, start, tree_width, k, tree_nodes,
+                                                  rp if SAMPLE_CHILDREN else None)
             dstate = st.dstate
             n, drafts, nxt, plog, hidden, cache = tree_verify(cfg, kernels, weights, st.cache, st.tok, tt, tp, td, rp,
-                                                              st.seen, tree_width, k, drafter.hidden_layers)
+                                                              st.seen, tree_width, k, drafter.hidden_layers, tq)
             vo, cache = _verify_out(plog, drafts, n, nxt, hidden, cache, start, active, n_logprobs)
         elif drafter.shares_target_cache:  # it drafts into the target's cache; the verify rewrites that window
             drafts, q, cache = drafter.propose(dparams, st.cache, st.prev, st.tok, start, rp, k)

@@ -250,9 +250,11 @@ def _save_state(path, head, opt_state, step):
 
 
 def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, prompts, max_new: int, k: int = 4,
-                       batch: int = 8, tree: int | None = None, tree_beam: int | None = None) -> dict:
-    """Greedy speculative decoding with the head (a chain of k, or a tree of `tree` nodes) on held-out prompts: mean
-    accepted drafts per step, and whether the output equals plain greedy decoding token for token."""
+                       batch: int = 8, tree: int | None = None, tree_beam: int | None = None,
+                       temperature: float = 0.0) -> dict:
+    """Speculative decoding with the head (a chain of k, or a tree of `tree` nodes) on held-out prompts: mean
+    accepted drafts per step, and (greedy) whether the output equals plain greedy decoding token for token.
+    temperature > 0 samples (row r seeded r) and skips the plain run."""
     from .speculative import SpeculativeDecoder
 
     spec = SpeculativeDecoder(engine, EagleDrafter(hc, head, engine), k, tree=tree, tree_beam=tree_beam)
@@ -261,10 +263,10 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
         ps = prompts[i: i + batch]
         real = len(ps)
         ps = ps + [ps[-1]] * (batch - len(ps))  # one compiled shape; the padding rows are not counted
-        rp = RowParams.from_params([SamplingParams(temperature=0)] * batch)
+        rp = RowParams.from_params([SamplingParams(temperature=temperature, seed=i + r) for r in range(batch)])
         need = max(map(len, ps)) + max_new
         outs = []
-        for s in (None, spec):
+        for s in (None, spec) if temperature == 0 else (spec,):
             cache = engine.new_cache(batch, s.cache_len(need) if s else engine.cache_len_for(need))
             last, _, cache = engine.prefill(cache, ps)
             seen = engine.new_seen(ps)
@@ -274,7 +276,8 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
             else:
                 bufs, count, _ = s.loop(cache, ps, first, rp, seen, set(), np.full(batch, max_new))
             outs.append(np.asarray(bufs.tokens)[:, :max_new])
-        same += int(np.sum(np.all(outs[0][:real] == outs[1][:real], axis=1)))
+        if temperature == 0:
+            same += int(np.sum(np.all(outs[0][:real] == outs[1][:real], axis=1)))
         rows += real
         h = np.asarray(spec.last_stats["acceptance_histogram"])
         hist = h if hist is None else hist + h
@@ -282,7 +285,8 @@ def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, promp
     return {"k": k, "tree": tree, "tree_beam": spec.tree_width or None, "prompts": len(prompts),
             "mean_accepted": round(mean, 3),
             "tokens_per_step": round(mean + 1, 3),
-            "histogram": hist.tolist(), "greedy_equal_rows": f"{same}/{rows}"}
+            "histogram": hist.tolist(), "temperature": temperature,
+            "greedy_equal_rows": f"{same}/{rows}" if temperature == 0 else None}
 
 
 # ---------------------------------------------------------------------------------------------------- command
@@ -301,10 +305,12 @@ def evaluate_heads(engine: Engine, tokenizer, args, log) -> int:
             print(f"error: {e}", file=sys.stderr)
             return 2
         t0 = time.perf_counter()
-        row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k)}
+        t = args.eval_temperature
+        row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k,
+                                                           temperature=t)}
         if args.tree:
             row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k, tree=args.tree,
-                                             tree_beam=args.tree_beam)
+                                             tree_beam=args.tree_beam, temperature=t)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
         log(f"{folder}: {row['chain']['mean_accepted']} accepted drafts/step (chain)"
@@ -318,6 +324,8 @@ def build_parser():
     p.add_argument("--out", default=None, help="folder for the head (eagle.json, head.msgpack) and train state")
     p.add_argument("--eval", nargs="+", default=None, metavar="HEAD",
                    help="train nothing: held-out acceptance of these head folders (a chain of --k drafts, and --tree)")
+    p.add_argument("--eval-temperature", type=float, default=0.0, metavar="T",
+                   help="--eval samples at temperature T (row r seeded r; no comparison with plain decoding)")
     p.add_argument("--k", type=int, default=4, help="drafts per step of the held-out figures (the tree's depth)")
     p.add_argument("--chat-prompts", type=int, default=640, help="built-in chat prompts to use (most 691)")
     p.add_argument("--raw-prompts", type=int, default=24)

@@ -9,13 +9,24 @@ at depths 1..n move to slots start + 1 .. start + n, where a chain would have pu
 speculative.py holds again.
 
 Acceptance walks the tree from the root. Greedy rows follow the child equal to the target's argmax. Sampled rows use
-recursive rejection sampling over the children (deterministic drafts, as SpecInfer / EAGLE-2): child c is accepted
-with probability p'(c); on rejection p' loses c and is renormalised; if every child is rejected the next token is
-drawn from the last p'. The committed output follows the target's distribution exactly. Children are tried, and a
-greedy tie between siblings won, in window order.
+recursive rejection sampling over the children: child c, drawn from q', is accepted with probability
+min(1, p'(c) / q'(c)); on rejection p' becomes norm(max(0, p' - q')) and q' loses c (renormalised); if every child
+is rejected the next token is drawn from the last p'. The committed output follows the target's distribution exactly.
+Children are tried, and a greedy tie between siblings won, in window order.
+
+Sampled trees. Deterministic children (the draft's top tokens) are the case q' = one-hot(c): a level then accepts only
+the target's mass on those tokens, less than a sampled chain's 1 - TV(p, q) when the distributions are flat. So
+sampled rows of a tree that is the whole beam (N = width x depth) draw each node's children from the draft's
+filtered distribution q without replacement (Gumbel top-k, in draw order; `draft_children`), as recursive speculative
+decoding does, and the walk uses q. Lossless needs how many children a node gets to be independent of its own
+children's draws: the beam ranks a node's children by the draft's sorted top log probabilities (not by the tokens
+drawn) and the tree keeps the whole beam, so it is. Other shapes (N < width x depth, chosen by look-ahead over the
+candidates' scores) keep deterministic children for sampled rows.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +34,39 @@ import jax.numpy as jnp
 from . import ops
 from .model import KVCache, forward
 from .ops import KernelSet
-from .sampling import by_temperature, filter_logits, if_penalized
+from .sampling import by_temperature, filter_logits, if_penalized, top_k_wide
 
-TAG_TREE = 4
+TAG_TREE = 4  # (and 5: the resample) the walk's uniforms
+TAG_TREE_DRAFT = 6  # sampled children
+# LUCEBOX_TREE_SAMPLE=0: sampled rows keep deterministic children in every tree shape (the A/B of bench_spec.py)
+SAMPLE_CHILDREN = os.environ.get("LUCEBOX_TREE_SAMPLE", "1") != "0"
+
+
+def draft_children(lp, rp, positions, w: int, sample: bool):
+    """Children of S draft nodes from their log probabilities lp [B, S, V]; the children sit at positions [B].
+    -> scores [B, S, w] (the w largest log probabilities, sorted: the beam ranks children by these), tokens
+    [B, S, w] and q [B, S, V] or None. Greedy rows (and every row unless `sample`) take the w most likely tokens;
+    sampled rows w draws without replacement from q, the row's filtered draft distribution, in draw order."""
+    score, top = top_k_wide(lp, w)
+    if not sample:
+        return score, top, None
+    b, s, v = lp.shape
+
+    def stochastic(*, sort):
+        rep = lambda a: jnp.repeat(a, s, axis=0)  # noqa: E731
+        x = filter_logits(lp.reshape(b * s, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p),
+                          sort=sort)
+        logq = jax.nn.log_softmax(x, axis=-1).reshape(b, s, v)
+
+        def noise(k, pos):
+            k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), pos), TAG_TREE_DRAFT)
+            return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(k, i), (v,), jnp.float32))(jnp.arange(s))
+
+        _, drawn = top_k_wide(logq + jax.vmap(noise)(rp.keys, positions), w)
+        return jnp.where((rp.temperature > 0)[:, None, None], drawn, top), jnp.exp(logq)
+
+    tok, q = by_temperature(rp, v, lambda: (top, jnp.zeros(lp.shape, jnp.float32)), stochastic)
+    return score, tok, q
 
 
 def ancestors(parent, depth: int):
@@ -40,14 +81,15 @@ def ancestors(parent, depth: int):
     return anc
 
 
-def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int):
+def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int, q=None):
     """Walk the tree. logits [B, 1 + N, V] (float32, penalties applied), tokens/parent/depths [B, N] (at most
-    `width` children a node, `depth` levels). -> (n accepted [B], path [B, depth] window indices (0 past n), next
+    `width` children a node, `depth` levels), q [B, 1 + N, V] the distribution each node's children were drawn from
+    for sampled rows (None: deterministic children). -> (n accepted [B], path [B, depth] window indices (0 past n), next
     token [B]). An all-greedy batch takes `_walk_greedy` (a few [B, N] ops per depth); with any sampled row the
     whole batch takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every
     child it tries."""
     return by_temperature(rp, logits.shape[-1], lambda: _walk_greedy(logits, tokens, parent, depth),
-                          lambda *, sort: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth, sort))
+                          lambda *, sort: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth, sort, q))
 
 
 def children(parent, width: int):
@@ -82,7 +124,7 @@ def _walk_greedy(logits, tokens, parent, depth: int):
     return n, jnp.stack(path, axis=1), arg[rows, cur]
 
 
-def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int, sort: bool = True):
+def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int, sort: bool = True, q=None):
     b = logits.shape[0]
     rows = jnp.arange(b)
     arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + N]
@@ -98,6 +140,7 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
     alive = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
     p = jax.lax.cond(jnp.any(hot), probs, lambda c: jnp.zeros((b, v), jnp.float32), cur)
+    qc = None if q is None else q[:, 0]
     path = []
     for d in range(1, depth + 1):
         want = arg[rows, cur]
@@ -110,12 +153,20 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
             u = jax.vmap(lambda k, pos, i: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
                 jax.random.fold_in(jax.random.wrap_key_data(k), pos), TAG_TREE), i)))(keys, pos0 + d - 1, node)
             pt = p[rows, t]
-            ok = jnp.where(hot, u < pt, t == want) & child
+            if q is None:  # deterministic children: q' = one-hot(t)
+                ok = jnp.where(hot, u < pt, t == want) & child
+                rej = child & ~ok & hot
+                p = jnp.where(rej[:, None], p.at[rows, t].set(0.0), p)
+            else:
+                qt = qc[rows, t]  # > 0 unless the draw ran out of allowed tokens (never accepted, changes nothing)
+                ok = jnp.where(hot, (qt > 0) & (u * qt < pt), t == want) & child
+                rej = child & ~ok & hot & (qt > 0)
+                p = jnp.where(rej[:, None], jnp.maximum(p - qc, 0.0), p)
+                qc = jnp.where(rej[:, None], qc.at[rows, t].set(0.0), qc)
+                qc = jnp.where(rej[:, None], qc / jnp.maximum(qc.sum(-1, keepdims=True), 1e-30), qc)
             found = found | ok
             nxt_cur = jnp.where(ok, win, nxt_cur)
             # a rejected sampled child leaves the residual
-            rej = child & ~ok & hot
-            p = jnp.where(rej[:, None], p.at[rows, t].set(0.0), p)
             p = jnp.where(rej[:, None], p / jnp.maximum(p.sum(-1, keepdims=True), 1e-30), p)
         cur = jnp.where(found, nxt_cur, cur)
         path.append(jnp.where(found, nxt_cur, 0))
@@ -123,6 +174,8 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
         alive = alive & found
         fresh = jax.lax.cond(jnp.any(hot), probs, lambda c: p, cur)
         p = jnp.where(found[:, None], fresh, p)  # a new node: its own distribution
+        if q is not None:
+            qc = jnp.where(found[:, None], q[rows, cur], qc)
     g = jax.vmap(lambda k, pos: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(
         jax.random.wrap_key_data(k), pos), TAG_TREE + 1), (v,), jnp.float32))(keys, pos0 + n)
     sampled = jnp.argmax(jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf) + g, axis=-1).astype(jnp.int32)
@@ -139,7 +192,7 @@ def move_path_kv(cache: KVCache, start, path, depth: int, kernels: KernelSet | N
 
 
 def tree_verify(cfg, kernels, weights, cache: KVCache, tok, tokens, parent, depths, rp, seen, width: int,
-                depth: int, hidden_layers=None):
+                depth: int, hidden_layers=None, q=None):
     """The target over [root, nodes] in one forward; acceptance; the path's KV moved into place.
     -> (n [B], path tokens [B, depth], next token [B], logits along the path [B, depth + 1, V], hidden along the path
     [B, depth + 1, F] or None, cache (lengths unchanged))."""
@@ -160,7 +213,7 @@ def tree_verify(cfg, kernels, weights, cache: KVCache, tok, tokens, parent, dept
             return jnp.where(seen_i, jnp.where(x > 0, x / pen, x * pen), x)
 
         logits = if_penalized(rp, penalize, logits)
-    n, path, nxt = tree_accept(logits, tokens, parent, depths, rp, rp.keys, start + 1, width, depth)
+    n, path, nxt = tree_accept(logits, tokens, parent, depths, rp, rp.keys, start + 1, width, depth, q)
     cache = move_path_kv(cache, start, path, depth, kernels)
     along = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # window indices of the committed chain
     path_logits = jnp.take_along_axis(raw, along[:, :, None], axis=1)

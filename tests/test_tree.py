@@ -102,6 +102,114 @@ def test_tree_rejection_sampling_follows_the_target():
     assert chi2 < crit, (chi2, obs, (p[1] * m).round())
 
 
+def _gumbel_children(q, w, rng):
+    """w draws without replacement from each row of q [R, V] (Gumbel top-w), in draw order."""
+    with np.errstate(divide="ignore"):
+        z = np.log(q) + rng.gumbel(size=q.shape)
+    return np.argsort(-z, axis=1, kind="stable")[:, :w]
+
+
+def test_sampled_tree_rejection_sampling_follows_the_target():
+    """Children drawn from the draft (recursive speculative decoding): the root's 3 children are draws without
+    replacement from q_root (which allows only 2 tokens, so the third child is never acceptable), node 1's from
+    q_1. First committed token ~ p(root); the second, after window node 1 was committed, ~ p(node 1). And with q = p
+    the root's first child is always accepted (deterministic children would accept only p's mass on them)."""
+    v, width, depth, n = 8, 3, 2, 30000
+    rng = np.random.default_rng(2)
+    p = rng.dirichlet(np.ones(v), size=1 + width * depth).astype(np.float32)
+    q = rng.dirichlet(np.ones(v), size=1 + width * depth).astype(np.float32)
+    q[0] = 0.0
+    q[0, [2, 6]] = [0.7, 0.3]
+    parent = np.array([0, 0, 0, 1, 1, 1], np.int32)
+    depths = np.array([1, 1, 1, 2, 2, 2], np.int32)
+    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (n,) + a.shape)  # noqa: E731
+    rp = RowParams.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(n)])
+    crit = 24.322  # chi2.ppf(0.999, 7)
+    walk = jax.jit(tree_accept, static_argnames=("width", "depth"))
+
+    def accept(p, q):
+        tokens = np.concatenate([_gumbel_children(np.tile(q[0], (n, 1)), width, rng),
+                                 _gumbel_children(np.tile(q[1], (n, 1)), width, rng)], axis=1).astype(np.int32)
+        out = walk(bc(np.log(p)), jnp.asarray(tokens), bc(parent), bc(depths), rp, rp.keys,
+                   jnp.full((n,), 9, jnp.int32), width=width, depth=depth, q=bc(q))
+        return tokens, *(np.asarray(a) for a in out)
+
+    tokens, nacc, path, nxt = accept(p, q)
+    rows = np.arange(n)
+    first = np.where(nacc >= 1, tokens[rows, np.maximum(path[:, 0] - 1, 0)], nxt)
+    obs = np.bincount(first, minlength=v)
+    chi2 = float(((obs - p[0] * n) ** 2 / (p[0] * n)).sum())
+    assert chi2 < crit, (chi2, obs, (p[0] * n).round())
+    after1 = (nacc >= 1) & (path[:, 0] == 1)
+    second = np.where(nacc[after1] >= 2, tokens[after1, np.maximum(path[after1, 1] - 1, 0)], nxt[after1])
+    m = len(second)
+    assert m > 500
+    obs = np.bincount(second, minlength=v)
+    chi2 = float(((obs - p[1] * m) ** 2 / (p[1] * m)).sum())
+    assert chi2 < crit, (chi2, obs, (p[1] * m).round())
+    assert not np.any((nacc >= 1) & (path[:, 0] == 3))  # the third child (q = 0) is never accepted
+
+    _, nacc, path, _ = accept(p, p.copy())
+    assert np.all(nacc >= 1) and np.all(path[:, 0] == 1)
+
+
+def test_draft_children_draws_without_replacement_from_q():
+    """Sampled rows' children: the first ~ q, the second ~ q without the first (P(j) = sum_i q_i q_j / (1 - q_i));
+    greedy rows keep the most likely tokens; the scores are the sorted top log probabilities either way."""
+    from lucebox_jax.tree import draft_children
+
+    v, w, n = 6, 3, 20000
+    q = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32)
+    lp = jnp.broadcast_to(jnp.log(jnp.asarray(q)), (n, 1, v))
+    temps = [1.0] * (n - 1) + [0.0]
+    rp = RowParams.from_params([SamplingParams(temperature=t, seed=s) for s, t in enumerate(temps)])
+    score, tok, qd = jax.jit(draft_children, static_argnames=("w", "sample"))(
+        lp, rp, jnp.arange(n, dtype=jnp.int32), w=w, sample=True)
+    score, tok, qd = np.asarray(score)[:, 0], np.asarray(tok)[:, 0], np.asarray(qd)[:, 0]
+    np.testing.assert_allclose(score, np.tile(np.log(q[:w]), (n, 1)), rtol=1e-5)
+    np.testing.assert_allclose(qd[0], q, rtol=1e-5)
+    assert tok[-1].tolist() == [0, 1, 2]  # the greedy row
+    tok = tok[:-1]
+    assert all(len(set(r)) == w for r in tok[:200].tolist())  # without replacement
+    m = len(tok)
+    crit = 20.515  # chi2.ppf(0.999, 5)
+    second = (q[:, None] * q[None, :] / (1 - q[:, None]))
+    np.fill_diagonal(second, 0.0)
+    for j, exp in ((0, q), (1, second.sum(axis=0))):
+        obs = np.bincount(tok[:, j], minlength=v)
+        chi2 = float(((obs - exp * m) ** 2 / (exp * m)).sum())
+        assert chi2 < crit, (j, chi2, obs, (exp * m).round())
+
+
+def test_propose_tree_samples_a_whole_beam(eng):
+    """Sampled rows of a tree of width x depth nodes: the tree is the beam (width nodes a depth), each node's children
+    distinct, q the root's and each drafting node's distribution (the deepest level none); greedy rows are the tree
+    proposed without sampling parameters, and a tree of fewer nodes keeps deterministic children (q None)."""
+    hc = EagleConfig.for_target(CFG)
+    d = EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng)
+    ps = tiny_prompts([10, 17, 5, 8], seed=3)
+    st = d.init_state(ps, 64, first=np.array([3, 4, 5, 6]))
+    tok = jnp.asarray([3, 4, 5, 6], jnp.int32)
+    start = jnp.asarray([len(p) for p in ps], jnp.int32)
+    w, depth = 3, 4
+    rp = RowParams.from_params([SamplingParams(temperature=t, seed=7) for t in (0.9, 0.0, 1.2, 0.7)])
+    toks, parent, dep, q = (np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth, rp=rp))
+    plain = [np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth)[:3]]
+    for a, c in zip((toks, parent, dep), plain):
+        np.testing.assert_array_equal(a[1], c[1])  # the greedy row
+    for r in (0, 2, 3):
+        assert np.bincount(dep[r], minlength=depth + 1)[1:].tolist() == [w] * depth
+        for node in range(1 + w * depth):
+            kids = toks[r][parent[r] == node]
+            assert len(set(kids.tolist())) == len(kids)
+            has_q = node == 0 or dep[r, node - 1] < depth
+            np.testing.assert_allclose(q[r, node].sum(), 1.0 if has_q else 0.0, atol=1e-4)
+            if len(kids):
+                assert np.all(q[r, node][kids] > 0)
+    assert not np.array_equal(toks[0], plain[0][0]) or not np.array_equal(toks[2], plain[0][2])
+    assert d.propose_tree(d.params, st, tok, start, w, depth, nodes=10, rp=rp)[3] is None
+
+
 def test_greedy_walk_equals_the_full_walk():
     """The all-greedy fast path picks the same path and next token as the full walk run on greedy rows, on random
     trees (siblings sharing a token included: the first in window order wins in both)."""
@@ -171,7 +279,7 @@ def test_select_nodes_keeps_the_best_candidates_as_a_tree():
         score, frontier, base = np.take_along_axis(cand, best, 1), base + best, base + w * w
     n = w * depth
     toks, parent, dep = (np.asarray(a) for a in select_nodes(
-        [tuple(jnp.asarray(x) if not isinstance(x, int) else x for x in c) for c in cands], n))
+        [tuple(jnp.asarray(x) if not isinstance(x, int) else x for x in c) for c in cands], n)[:3])
     all_score = np.concatenate([c[1] for c in cands], axis=1)
     all_tok = np.concatenate([c[0] for c in cands], axis=1)
     deeper = 0
@@ -207,7 +315,7 @@ def test_select_nodes_keeps_parents_when_sums_round_to_equal(monkeypatch):
     cands = [(jnp.asarray([[7, 8]]), f([big, big - 10]), jnp.asarray([[-1, -1]]), 1),
              (jnp.asarray([[9, 10, 11, 12]]), f([big, big - 5, big - 10, big - 15]), jnp.asarray([[0, 0, 1, 1]]), 2)]
     for n in (1, 2, 3):
-        toks, parent, dep = (np.asarray(a)[0] for a in select_nodes(cands, n))
+        toks, parent, dep = (np.asarray(a)[0] for a in select_nodes(cands, n)[:3])
         assert toks[0] == 7 and parent[0] == 0 and dep[0] == 1, (n, toks, parent, dep)  # the root's best child
         for i in range(n):
             assert parent[i] < i + 1 and (dep[i] == 1) == (parent[i] == 0)

@@ -246,27 +246,38 @@ class EagleDrafter(Drafter):
         q = jnp.concatenate([q1[:, None], qs.transpose(1, 0, 2)], axis=1)
         return drafts, q, state.replace(k=kc, v=vc)
 
-    def propose_tree(self, params, state: EagleState, tok, start, width: int, depth: int, nodes: int = 0):
+    def propose_tree(self, params, state: EagleState, tok, start, width: int, depth: int, nodes: int = 0, rp=None):
         """A token tree of `nodes` (default width * depth) nodes, EAGLE-2's way at a fixed size. Expansion is a beam:
         the `width` most likely tokens after `tok`, then at each depth the `width` best (by cumulative log
         probability) of the width * width children of the frontier run the head, each on its own chain (committed
         cache + its ancestors' keys: the pattern the head was trained on). The tree is then the best `nodes` of ALL
         the candidates drafted, whatever their depth (`select_nodes`): deep where the head is sure, bushy where it is
         not. The head's cache is not changed.
-        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth); nodes in window
-        order are shallow first, parents before children, at most `width` children a node."""
+        Sampled rows (rp given, temperature > 0) of a tree of exactly width * depth nodes draw each node's children
+        from the head's filtered distribution instead (`tree.draft_children`) and keep the whole beam as the tree, so
+        that how many children a node has never depends on the draws (tree.py, "Sampled trees").
+        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth), and q
+        [B, 1 + N, V] (each window node's draft distribution; None unless sampled trees are possible); nodes in
+        window order are shallow first, parents before children, at most `width` children a node."""
+        from ..tree import draft_children
+
         hc = self.hc
         tree_attention = ops.get("attention_tree", self.target.kernels.attention_tree)
         dt = jnp.dtype(hc.dtype)
         b, w = tok.shape[0], width
+        n_nodes = nodes or w * depth
+        sample = rp is not None and n_nodes == w * depth
         lp = jax.nn.log_softmax(head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels))
-        score, ftok = top_k_wide(lp, w)  # [B, W]
+        score, ftok, q_root = draft_children(lp[:, None], rp, start + 1, w, sample)
+        score, ftok = score[:, 0], ftok[:, 0]  # [B, W]
         g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
         ck = jnp.zeros((b, w, depth, hc.n_kv_heads, hc.head_dim), dt)
         cv = jnp.zeros_like(ck)
-        # every candidate drafted: token, cumulative log probability, parent (candidate index, -1 = the root), depth
-        cands = [(ftok, score, jnp.full((b, w), -1, jnp.int32), 1)]
+        # every candidate drafted: token, cumulative log probability, parent (candidate index, -1 = the root), depth,
+        # whether the beam kept it
+        cands = [(ftok, score, jnp.full((b, w), -1, jnp.int32), 1, jnp.ones((b, w), bool))]
         frontier = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32)[None], (b, w))  # candidate index of each slot
+        fronts, q_fronts = [], []  # the frontiers that drafted children, and their distributions
         base = w
         wi = jnp.arange(w)
         for d in range(1, depth):
@@ -280,31 +291,49 @@ class EagleDrafter(Drafter):
                                cv.reshape(b, w * depth, *cv.shape[3:]), anc, scale=1.0 / math.sqrt(hc.head_dim))
             h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
             lp = jax.nn.log_softmax(head_logits(hc, params.head, h, params.lm_head, self.target.kernels))
-            top_lp, top_tok = top_k_wide(lp, w)  # [B, W, W]
+            top_lp, top_tok, q_front = draft_children(lp, rp, start + 1 + d, w, sample)  # [B, W, W]
+            fronts.append(frontier)
+            q_fronts.append(q_front)
             cand = (score[:, :, None] + top_lp).reshape(b, w * w)
-            cands.append((top_tok.reshape(b, w * w), cand, jnp.repeat(frontier, w, axis=1), d + 1))
             score, best = jax.lax.top_k(cand, w)
+            kept = jnp.zeros((b, w * w), bool).at[jnp.arange(b)[:, None], best].set(True)
+            cands.append((top_tok.reshape(b, w * w), cand, jnp.repeat(frontier, w, axis=1), d + 1, kept))
             pw = best // w  # parent's frontier slot
             ftok = jnp.take_along_axis(top_tok.reshape(b, w * w), best, axis=1)
             take = lambda a: jnp.take_along_axis(a, pw.reshape(b, w, *([1] * (a.ndim - 2))), axis=1)  # noqa: E731
             g, ck, cv = take(h), take(ck), take(cv)
             frontier = base + best
             base += w * w
-        return select_nodes(cands, nodes or w * depth)
+        hot = None if not sample else rp.temperature > 0
+        toks, parent, dep, window = select_nodes(cands, n_nodes, beam_only=hot)
+        if not sample:
+            return toks, parent, dep, None
+        # each window node's distribution: the root's, then each drafting frontier's (deepest nodes: none needed)
+        rows = jnp.arange(b)[:, None]
+        q_win = jnp.zeros((b, 1 + n_nodes, q_root.shape[-1]), jnp.float32).at[:, 0].set(q_root[:, 0])
+        for f, qf in zip(fronts, q_fronts):
+            wf = jnp.take_along_axis(window, f, axis=1)  # window index of each frontier slot (0: not in the tree)
+            q_win = q_win.at[rows, jnp.where(wf > 0, wf, n_nodes + 1)].set(qf, mode="drop")
+        return toks, parent, dep, q_win
 
 
-def select_nodes(cands, n: int):
+def select_nodes(cands, n: int, beam_only=None):
     """The n best of the drafted candidates, list of (tokens [B, C], cumulative log prob [B, C], parent candidate
-    index [B, C] (-1: the root), depth) in candidate-index order, as a tree: -> tokens, parent (window index, 0 = the
-    root), depth, each [B, n], in candidate-index order (shallow first, parents before children). Each candidate ranks
-    strictly below its parent (its log probability adds one <= 0, and an equal or rounded-up sum is pushed one float
-    below the parent's), so a chosen node's parent is always chosen too."""
+    index [B, C] (-1: the root), depth[, kept by the beam [B, C]]) in candidate-index order, as a tree: -> tokens,
+    parent (window index, 0 = the root), depth, each [B, n], in candidate-index order (shallow first, parents before
+    children), and each candidate's window index [B, C total] (0: not chosen). Each candidate ranks strictly below
+    its parent (its log probability adds one <= 0, and an equal or rounded-up sum is pushed one float below the
+    parent's), so a chosen node's parent is always chosen too. Rows where `beam_only` [B] is set choose the
+    candidates the beam kept (exactly n of them: the caller's tree is the whole beam)."""
     ranks = []
-    for _, score, par, d in cands:
+    for c in cands:
+        _, score, par, d = c[:4]
         r = score.astype(jnp.float32)
         if d > 1:
             parent_rank = jnp.take_along_axis(jnp.concatenate(ranks, axis=1), par, axis=1)
             r = jnp.minimum(r, jnp.nextafter(parent_rank, jnp.float32(-jnp.inf)))
+        if beam_only is not None:
+            r = jnp.where(beam_only[:, None] & ~c[4], -jnp.inf, r)
         ranks.append(r)
     toks = jnp.concatenate([c[0] for c in cands], axis=1)
     par = jnp.concatenate([c[2] for c in cands], axis=1)
@@ -316,7 +345,7 @@ def select_nodes(cands, n: int):
     window = jnp.zeros((b, total), jnp.int32).at[rows, pick].set(jnp.arange(1, n + 1, dtype=jnp.int32)[None])
     p = par[rows, pick]
     parent = jnp.where(p < 0, 0, window[rows, jnp.maximum(p, 0)])
-    return toks[rows, pick].astype(jnp.int32), parent.astype(jnp.int32), dep[rows, pick]
+    return toks[rows, pick].astype(jnp.int32), parent.astype(jnp.int32), dep[rows, pick], window
 
 
 def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, last, cache_len):
