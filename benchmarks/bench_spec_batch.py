@@ -149,19 +149,21 @@ def make_job(eng, ids, slots, steps, max_tokens, stops, spec=None):
     return sched, [SlotRequest(i, p, sp, stops, max_tokens) for i, p in enumerate(ids)]
 
 
-def run_job(eng, ids, slots, steps, max_tokens, stops, spec=None):
-    """One job over `ids` twice (compile, then timed); -> (token lists, seconds, compile seconds, spec stats)."""
+def run_job(eng, ids, slots, steps, max_tokens, stops, spec=None, reps: int = 1):
+    """One job over `ids` 1 + reps times (compile, then timed); -> (token lists, median timed seconds, compile
+    seconds, spec stats)."""
     c0 = eng.compile_seconds
-    out, secs, stats = None, 0.0, None
-    for _ in range(2):
+    out, times, stats = None, [], None
+    for rep in range(1 + reps):
         sched, reqs = make_job(eng, ids, slots, steps, max_tokens, stops, spec)
         c1 = eng.compile_seconds
         t = time.perf_counter()
         got = {f.request.key: f.token_ids for batch in sched.run(reqs) for f in batch}
-        secs = time.perf_counter() - t - (eng.compile_seconds - c1)
+        if rep:
+            times.append(time.perf_counter() - t - (eng.compile_seconds - c1))
         out = [got[i] for i in range(len(ids))]
         stats = sched.spec_stats()
-    return out, secs, eng.compile_seconds - c0, stats
+    return out, float(np.median(times)), eng.compile_seconds - c0, stats
 
 
 def main(argv=None):
@@ -171,6 +173,7 @@ def main(argv=None):
     p.add_argument("--drafters", default="eagle,ngram")
     p.add_argument("--slots", default=None, help="slot counts (default 8,128; --tiny 2,4)")
     p.add_argument("--per-slot", type=int, default=2, help="requests per slot")
+    p.add_argument("--reps", type=int, default=1, help="timed runs of each job after its compile run (median)")
     p.add_argument("--max-tokens", type=int, default=None, help="default 128 (--tiny 16)")
     p.add_argument("--k", type=int, default=4, help="drafts per step")
     p.add_argument("--steps", type=int, default=None, help="steps per scheduler call (default 8 CPU / 16 GPU)")
@@ -194,13 +197,13 @@ def main(argv=None):
     steps = args.steps or (8 if jax.default_backend() == "cpu" else 16)
     eng, drafters, make_prompts, stops = setup(args)
     RESULTS["config"] = {"model": "tiny (random)" if args.tiny else (args.model or "embedded"), "k": args.k,
-                         "max_tokens": max_tokens, "per_slot": args.per_slot, "steps": steps,
+                         "max_tokens": max_tokens, "per_slot": args.per_slot, "steps": steps, "reps": args.reps,
                          "dtype": eng.cfg.dtype, "default_max_slots": DEFAULT_MAX_SLOTS,
                          "row_invariant": quant.ROW_INVARIANT}
     rows = []
     for slots in slot_counts:
         ids = make_prompts(args.per_slot * slots)
-        base, base_s, base_c, _ = run_job(eng, ids, slots, steps, max_tokens, stops)
+        base, base_s, base_c, _ = run_job(eng, ids, slots, steps, max_tokens, stops, reps=args.reps)
         n_tok = sum(map(len, base))
         rec = base_rec = {"slots": slots, "drafter": "plain", "policy": "-", "tok_s": n_tok / base_s,
                           "seconds": base_s, "completion_tokens": n_tok, "compile_s": base_c, "requests": len(ids)}
@@ -228,7 +231,7 @@ def main(argv=None):
                     log(f"skip S={slots} {name} {policy}: budget")
                     continue
                 spec = BatchSpec(d, args.k, max_slots=max_slots, min_accept=floor)
-                got, s, c, st = run_job(eng, ids, slots, steps, max_tokens, stops, spec)
+                got, s, c, st = run_job(eng, ids, slots, steps, max_tokens, stops, spec, reps=args.reps)
                 same = sum(a == b for a, b in zip(got, base))
                 m = sum(map(len, got))
                 rec = {"slots": slots, "drafter": name, "policy": policy, "tok_s": m / s, "seconds": s,

@@ -260,7 +260,7 @@ def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
     from lucebox_jax.speculative import SpeculativeDecoder
 
     cfg, ks, w = gpu_engine.cfg, gpu_engine.kernels, gpu_engine.weights
-    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    greedy = SamplingParams(max_tokens=4, temperature=args.temperature, seed=0)  # (greedy unless --temperature)
     prompt = ["Write a haiku about the sea."]
     if name in ("decode", "batch"):
         rows = prompt * (1 if name == "decode" else args.batch)
@@ -344,6 +344,7 @@ def main(argv=None) -> int:
                    help="the GPU kernel set, e.g. 'qmatmul=pallas' (default: the H200's defaults)")
     p.add_argument("--k", type=int, default=4, help="drafts per step (chain) and tree depth")
     p.add_argument("--tree", type=int, default=32, help="tree nodes")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of the steps counted")
     p.add_argument("--batch", type=int, default=32, help="rows of the batch configuration")
     p.add_argument("--slots", type=int, default=8, help="slots of the slots / spec-slots configurations")
     p.add_argument("--dtype", default="bfloat16")

@@ -139,7 +139,7 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
     cur = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
     n = jnp.zeros((b,), jnp.int32)
-    p = jax.lax.cond(jnp.any(hot), probs, lambda c: jnp.zeros((b, v), jnp.float32), cur)
+    p = probs(cur)  # (the walk runs only where some row samples: by_temperature; no conditional on the device)
     qc = None if q is None else q[:, 0]
     path = []
     for d in range(1, depth + 1):
@@ -172,8 +172,7 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
         path.append(jnp.where(found, nxt_cur, 0))
         n = n + found.astype(jnp.int32)
         alive = alive & found
-        fresh = jax.lax.cond(jnp.any(hot), probs, lambda c: p, cur)
-        p = jnp.where(found[:, None], fresh, p)  # a new node: its own distribution
+        p = jnp.where(found[:, None], probs(cur), p)  # a new node: its own distribution
         if q is not None:
             qc = jnp.where(found[:, None], q[rows, cur], qc)
     g = jax.vmap(lambda k, pos: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(
