@@ -187,8 +187,9 @@ def make_optimizer(lr: float, steps: int, warmup: int):
 def train(engine: Engine, hc: EagleConfig, feats, toks, mask, *, steps: int, batch: int, lr: float, unroll: int,
           seed: int = 0, out: str | None = None, save_every: int = 200, time_budget: float | None = None,
           head: HeadWeights | None = None, log=print):
-    """Train a head; resumes from `out`/train_state.msgpack when present (out: the state folder). -> (head, summary
-    dict)."""
+    """Train a head; resumes from `out`/train_state.msgpack when present (out: the state folder). feats None: each
+    step runs the target over its own batch for the features (`--stream-features`: memory does not grow with the
+    data). -> (head, summary dict)."""
     import optax
     from tqdm import tqdm
 
@@ -206,9 +207,12 @@ def train(engine: Engine, hc: EagleConfig, feats, toks, mask, *, steps: int, bat
     start_step = int(state["step"])
 
     @jax.jit
-    def step_fn(head, opt_state, feats, toks_d, mask_d, idx, embed, lm_head, final_norm):  # arrays as arguments:
-        (loss, accs), grads = jax.value_and_grad(loss_fn, has_aux=True)(  # never baked in as constants
-            head, hc, feats[idx], toks_d[idx], mask_d[idx], embed, lm_head, final_norm, unroll)
+    def step_fn(head, opt_state, feats, toks_d, mask_d, idx, embed, lm_head, final_norm, weights):  # arrays as
+        tb = toks_d[idx]  # arguments: never baked in as constants
+        fb = feats[idx] if feats is not None else _features(engine.cfg, engine.kernels, weights, tb,
+                                                             hc.feature_layers)
+        (loss, accs), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            head, hc, fb, tb, mask_d[idx], embed, lm_head, final_norm, unroll)
         upd, opt_state = opt.update(grads, opt_state, head)
         return optax.apply_updates(head, upd), opt_state, loss, accs
 
@@ -224,7 +228,7 @@ def train(engine: Engine, hc: EagleConfig, feats, toks, mask, *, steps: int, bat
     for step in bar:
         idx = jnp.asarray(rng.integers(0, len(toks), batch))
         head, opt_state, loss, accs = step_fn(head, opt_state, feats, toks_d, mask_d, idx, w.embed, lm_head,
-                                               w.final_norm)
+                                               w.final_norm, None if feats is not None else w)
         if step % 20 == 0 or step == steps - 1:
             bar.set_postfix(loss=f"{float(loss):.3f}", top1=" ".join(f"{float(a):.2f}" for a in accs))
         if path and (step + 1) % save_every == 0:
@@ -332,6 +336,10 @@ def build_parser():
     p.add_argument("--temps", default="0,0.7,1.0", help="each prompt is continued once per temperature")
     p.add_argument("--gen-len", type=int, default=224, help="tokens the target writes per prompt")
     p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--stream-features", action="store_true",
+                   help="run the target over each training batch for its features instead of keeping every "
+                        "sequence's features on the device (sequences x seq-len x 3 x width x 2 bytes: 7 GB for 8,000 "
+                        "sequences of the embedded model), so the data can grow past the device's memory")
     p.add_argument("--gen-batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=40000,
                    help="training steps at most (default 40000: --time-budget usually ends it first)")
@@ -385,9 +393,11 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     with tqdm(total=len(train_ps) * len(temps), desc="target writes data", file=sys.stderr) as bar:
         toks, mask = generate(engine, train_ps, args.gen_len, args.seq_len, temps, args.gen_batch, args.seed, bar)
-    feats = features(engine, hc, toks, max(1, min(args.gen_batch, 4096 // bucket(args.seq_len, (16, 64, 256, 1024)))))
+    feats = None if args.stream_features else features(
+        engine, hc, toks, max(1, min(args.gen_batch, 4096 // bucket(args.seq_len, (16, 64, 256, 1024)))))
     gen_s = time.perf_counter() - t0
-    log(f"data: {len(toks)} sequences, {int(mask.sum())} tokens, features {tuple(feats.shape)} in {gen_s:.1f} s")
+    log(f"data: {len(toks)} sequences, {int(mask.sum())} tokens, features "
+        f"{'computed per training step' if feats is None else tuple(feats.shape)} in {gen_s:.1f} s")
     os.makedirs(args.out, exist_ok=True)
     os.makedirs(args.state_dir or args.out, exist_ok=True)
     head, summary = train(engine, hc, feats, toks, mask, steps=args.steps, batch=args.batch, lr=args.lr,

@@ -52,6 +52,24 @@ def test_head_learns_a_bigram_target_and_drafts_it():
     assert unseen["greedy_equal_rows"] == "8/8" and unseen["mean_accepted"] > 1.0, unseen
 
 
+def test_streamed_features_train_as_the_stored_ones():
+    """--stream-features: each step runs the target over its batch instead of indexing features kept for all the
+    data; the same steps give the same head (up to float rounding)."""
+    enable_compilation_cache()
+    eng = Engine(CFG, random_weights(CFG, jax.random.key(5), group_size=32, asymmetric=True), KernelSet())
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, 6)] for _ in range(12)]
+    toks, mask = generate(eng, prompts, 10, 16, [0.0], 12, 0)
+    hc = EagleConfig.for_target(CFG)
+    runs = [train(eng, hc, f, toks, mask, steps=6, batch=4, lr=3e-3, unroll=2, log=lambda *a: None)
+            for f in (features(eng, hc, toks, 12), None)]
+    (h0, s0), (h1, s1) = runs
+    assert s0["steps"] == s1["steps"] == 6
+    np.testing.assert_allclose(s0["final_loss"], s1["final_loss"], rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(h0), jax.tree.leaves(h1)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=1e-3, atol=1e-5)
+
+
 def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LUCEBOX_CHECKPOINTS", str(tmp_path / "ck"))
     out = tmp_path / "ck" / "tiny-llama-eagle"  # where bare `eagle` looks for the head of tiny-llama.gguf
@@ -62,7 +80,7 @@ def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsy
     meta = json.loads((out / "eagle.json").read_text())
     assert meta["training"]["steps"] == 3 and meta["heldout"]["greedy_equal_rows"] == "2/2"
     assert meta["heldout_tree"]["greedy_equal_rows"] == "2/2"
-    assert main(common + ["--steps", "5"]) == 0
+    assert main(common + ["--steps", "5", "--stream-features"]) == 0  # (resumed, features per step)
     assert "resuming" in capsys.readouterr().err
     assert json.loads((out / "eagle.json").read_text())["training"]["steps"] == 5
     # --eval: the saved head's held-out figure again, on the same held-out prompts, without training
