@@ -35,6 +35,7 @@ from . import ops
 from .model import KVCache, forward
 from .ops import KernelSet
 from .sampling import by_temperature, filter_logits, if_penalized, top_k_wide
+from .speculative import keys_at
 
 TAG_TREE = 4  # (and 5: the resample) the walk's uniforms
 TAG_TREE_DRAFT = 6  # sampled children
@@ -58,11 +59,11 @@ def draft_children(lp, rp, positions, w: int, sample: bool):
                           sort=sort)
         logq = jax.nn.log_softmax(x, axis=-1).reshape(b, s, v)
 
-        def noise(k, pos):
-            k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), pos), TAG_TREE_DRAFT)
+        def noise(k):  # node i's draws
             return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(k, i), (v,), jnp.float32))(jnp.arange(s))
 
-        _, drawn = top_k_wide(logq + jax.vmap(noise)(rp.keys, positions), w)
+        keys = keys_at(rp.keys, positions[:, None], TAG_TREE_DRAFT)[:, 0]
+        _, drawn = top_k_wide(logq + jax.vmap(noise)(keys), w)
         return jnp.where((rp.temperature > 0)[:, None, None], drawn, top), jnp.exp(logq)
 
     tok, q = by_temperature(rp, v, lambda: (top, jnp.zeros(lp.shape, jnp.float32)), stochastic)
