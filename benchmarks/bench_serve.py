@@ -12,9 +12,8 @@ chunks (ITL per chunk, each chunk holding up to --steps-per-call tokens) and tim
 same requests run through `Scheduler.run` with the same slots, context and steps per call (compile excluded; the
 median of --offline-reps runs, each listed in the JSON); the ratio server / offline is the serving overhead.
 Targets (issue 15): ratio >= 0.8 at 32 clients, TTFT p50 < 100 ms at 8. `--engine-process-ab` runs each level's
-server twice, in-process and with `--engine-process`, against the one offline baseline; `--admit-wait-ab MS` twice,
-without and with the server's gathering window (`--admit-wait-ms`); `--lookahead` runs the scheduler's lookahead on
-both sides.
+server twice, in-process and with `--engine-process`, against the one offline baseline; `--lookahead` runs the
+scheduler's lookahead on both sides.
 
 GPU, one call (< 4 minutes; the embedded model's GGUF in /tmp):
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_serve.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -71,9 +70,6 @@ def parse_args(argv=None):
                    help="the scheduler's lookahead on both sides: the server's --lookahead and the offline job's")
     p.add_argument("--engine-process-ab", action="store_true",
                    help="each level twice, in-process then --engine-process, against one offline baseline")
-    p.add_argument("--admit-wait-ms", type=float, default=None, help="the server's --admit-wait-ms (default: its own)")
-    p.add_argument("--admit-wait-ab", type=float, default=None, metavar="MS",
-                   help="run each level's server twice, with --admit-wait-ms 0 and MS, against the one offline baseline")
     p.add_argument("--clients-per-process", type=int, default=16,
                    help="client processes of this many clients each (0: all in this process)")
     p.add_argument("--budget", type=float, default=225.0, help="seconds for the whole run; levels left out after")
@@ -117,17 +113,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(a, slots: int, out_dir: str, deadline: float, engine_process: bool = False,
-                 extra: tuple[str, ...] = ()):
+def start_server(a, slots: int, out_dir: str, deadline: float, engine_process: bool = False):
     port = free_port()
     cmd = [sys.executable, "-m", "lucebox_jax.serve", "--port", str(port), "--batch-size", str(slots),
            "--max-context", str(a.max_context), "--steps-per-call", str(a.steps_per_call), "--served-model-name",
            "bench", "--max-queue", "4096", "--warmup", a.warmup] + (["--model", a.model] if a.model else []) + (
            ["--exit-on-finish"] if a.exit_on_finish else []) + (["--lookahead"] if a.lookahead else []) + (
            # named both ways: the server's own default is the engine process on a GPU
-           ["--engine-process" if engine_process else "--no-engine-process"]) + list(extra)
-    tag = "".join(c if c.isalnum() else "_" for c in "".join(extra))
-    logf = open(os.path.join(out_dir, f"server_{slots}{'_ep' if engine_process else ''}{tag}.log"), "w")
+           ["--engine-process" if engine_process else "--no-engine-process"])
+    logf = open(os.path.join(out_dir, f"server_{slots}{'_ep' if engine_process else ''}.log"), "w")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
     t0 = time.perf_counter()
     while time.time() < deadline:
@@ -221,8 +215,8 @@ def summarize(reqs, wall):
             "failed_requests": len(failed), "failures": failed[:5]}
 
 
-def bench_server_level(a, n, out_dir, deadline, engine_process: bool = False, extra: tuple[str, ...] = ()):
-    proc, port, startup = start_server(a, n, out_dir, deadline, engine_process, extra)
+def bench_server_level(a, n, out_dir, deadline, engine_process: bool = False):
+    proc, port, startup = start_server(a, n, out_dir, deadline, engine_process)
     t0 = time.perf_counter()
     try:
         prompts = workload(a, n)
@@ -302,9 +296,6 @@ def bench_offline(llm, a, n, prompts):
             "tok_s_runs": [round(t / d, 1) for t, d, _ in runs], "loop": loop}
 
 
-SIDE_NAMES = {"server_engine_process": " (engine process)", "server_admit_wait": " (admit wait)"}
-
-
 def fmt(v, nd=1):
     return "-" if v is None else f"{v:.{nd}f}"
 
@@ -340,22 +331,17 @@ def main(argv=None):
             continue
         lv = result["levels"][str(n)] = {}
         prompts = None
-        # (key, --engine-process, other server flags): the server as asked, and with --engine-process-ab the other way
-        # too; with --admit-wait-ab without and with the gathering window
-        wait = () if a.admit_wait_ms is None else ("--admit-wait-ms", str(a.admit_wait_ms))
-        modes = [("server", a.engine_process, wait)]
+        # (key, --engine-process): the server as asked, and with --engine-process-ab the other way too
+        modes = [("server", a.engine_process)] + ([("server_engine_process", True)] if a.engine_process_ab else [])
         if a.engine_process_ab:
-            modes = [("server", False, wait), ("server_engine_process", True, wait)]
-        if a.admit_wait_ab is not None:
-            modes = [("server", a.engine_process, ("--admit-wait-ms", "0")),
-                     ("server_admit_wait", a.engine_process, ("--admit-wait-ms", str(a.admit_wait_ab)))]
-        for key, ep, extra in modes:
+            modes[0] = ("server", False)
+        for key, ep in modes:
             if key != "server" and time.time() > deadline - 20:
                 lv[key] = {"skipped": "budget"}
                 continue
             log(f"clients={n}: starting a server with {n} slots{' (--engine-process)' if ep else ''} ...")
             try:
-                row, prompts = bench_server_level(a, n, out_dir, deadline, ep, extra)
+                row, prompts = bench_server_level(a, n, out_dir, deadline, ep)
             except Exception as e:  # noqa: BLE001 - one level failing keeps the others
                 log(f"clients={n}: failed: {type(e).__name__}: {e}")
                 lv[key] = {"error": f"{type(e).__name__}: {e}"}
@@ -368,7 +354,7 @@ def main(argv=None):
             # without it says little (the H200's first server start took 161 of 170 s on 2026-12-04 and lost it)
             off = bench_offline(llm, a, n, prompts)
             lv["offline"] = off
-            for key, _, _ in modes:
+            for key, _ in modes:
                 if "tok_s" in lv.get(key, {}):
                     lv[f"{key}_over_offline"] = round(lv[key]["tok_s"] / off["tok_s"], 3)
             log(f"clients={n}: offline {off}; over offline: "
@@ -380,9 +366,9 @@ def main(argv=None):
              "TPOT p50 / p99 ms | tokens/chunk |", "|---|---|---|---|---|---|---|---|"]
     for n, lv in result["levels"].items():
         o = lv.get("offline") or {}
-        for key in ("server", "server_engine_process", "server_admit_wait"):
+        for key in ("server", "server_engine_process"):
             s = lv.get(key)
-            name = f"{n}{SIDE_NAMES.get(key, '')}"
+            name = f"{n}{' (engine process)' if key != 'server' else ''}"
             if key != "server" and s is None:
                 continue
             if not s or "tok_s" not in s:
@@ -398,7 +384,6 @@ def main(argv=None):
     for n, lv in result["levels"].items():
         for side, lp in (("server", (lv.get("server") or {}).get("server_loop")),
                          ("engine process", (lv.get("server_engine_process") or {}).get("server_loop")),
-                         (f"admit wait {a.admit_wait_ab} ms", (lv.get("server_admit_wait") or {}).get("server_loop")),
                          ("offline", (lv.get("offline") or {}).get("loop"))):
             if lp:
                 loops.append(f"| {n} | {side} | {lp['decode_share']} | {lp['admit_share']} | {lp['occupancy']} | "
@@ -411,8 +396,6 @@ def main(argv=None):
           f"{', --exit-on-finish' if a.exit_on_finish else ''}{', --lookahead (both sides)' if a.lookahead else ''}"
           f"{', in-process against --engine-process' if a.engine_process_ab else ''}"
           f"{', --engine-process' if a.engine_process and not a.engine_process_ab else ''}"
-          f"{f', --admit-wait-ms {a.admit_wait_ms}' if a.admit_wait_ms is not None else ''}"
-          f"{f', --admit-wait-ms 0 against {a.admit_wait_ab}' if a.admit_wait_ab is not None else ''}"
           "\n\n" + "\n".join(lines) + "\n")
     with open(os.path.join(out_dir, "bench_serve.md"), "w") as f:
         f.write(md)

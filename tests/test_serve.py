@@ -330,42 +330,6 @@ def test_malformed_burst_then_good_request(server, client):
     assert _raw(server, "GET", "/health")[0] == 200
 
 
-# ---------------------------------------------------------------------------------------------------- admissions
-@pytest.mark.parametrize("admit_wait", [0.0, 0.25])
-def test_burst_into_idle_batch_is_gathered(llm, admit_wait):
-    """In-process: 4 requests arriving 30 ms apart at an idle batch. With a gathering window (`admit_wait`) they
-    join in one prefill call; without it the first goes alone. Either way each answer equals LLM.generate's."""
-    import queue as q
-    import threading
-
-    from lucebox_jax.serve.engine_loop import EngineLoop
-
-    prompts = [[5 + i, 6, 7 + 2 * i] for i in range(4)]
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, seed=0)
-    want = [o.outputs[0].text for o in llm.generate([{"prompt_token_ids": p} for p in prompts], sp)]
-    engine = EngineLoop(llm, slots=4, max_len=64, steps_per_call=2, admit_wait=admit_wait)
-    engine.start()
-    try:
-        engine.warmup()
-        before = engine.load()["loop"]["prefill_calls"]
-        boxes = [q.Queue() for _ in prompts]
-        jobs = [engine.make_job(list(p), sp, 6, box.put, stream=False) for p, box in zip(prompts, boxes)]
-
-        def arrive():
-            for job in jobs:
-                engine.submit(job)
-                time.sleep(0.03)
-
-        threading.Thread(target=arrive).start()
-        got = [box.get(timeout=300) for box in boxes]
-        calls = engine.load()["loop"]["prefill_calls"] - before
-    finally:
-        engine.stop()
-    assert [g[0] for g in got] == ["done"] * 4
-    assert [g[1] for g in got] == want
-    assert calls == 1 if admit_wait else calls >= 2, calls
-
-
 # ---------------------------------------------------------------------------------------------------- queue bound
 def test_full_queue_answers_429(llm):
     """In-process, the device thread not started: the inbox fills and the next request gets 429 + Retry-After."""

@@ -38,10 +38,6 @@ def add_serve_arguments(p):
                    help="dispatch each decode call before reading the last one's tokens, so the device never waits "
                         "for the host between calls; a new request joins one call later (--serve and --input jobs; "
                         "off: on the H200 the server ran 11% slower with it)")
-    g.add_argument("--admit-wait-ms", type=float, default=0.0,
-                   help="a request that finds the batch idle waits for others while they keep arriving within this "
-                        "many ms of each other (up to 5x it), so clients that finished together are admitted in full "
-                        "prefill groups, not one by one (default 0: off)")
     g.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the model and its device loop in a process of their own, so the HTTP side does not "
                         "share one interpreter lock with them (default: on where jax has a GPU plugin, off on the "
@@ -77,8 +73,6 @@ def run_serve_from_args(args) -> int:
         raise JobError(f"--port must be in 0..65535, got {args.port}")
     if not args.keep_alive > 0:
         raise JobError(f"--keep-alive must be > 0 seconds, got {args.keep_alive}")
-    if not 0 <= args.admit_wait_ms <= 1000:
-        raise JobError(f"--admit-wait-ms must be in 0..1000, got {args.admit_wait_ms}")
     for flag, lo in (("batch_size", 1), ("steps_per_call", 1), ("max_queue", 1), ("max_body_kb", 1),
                      ("max_context", 2)):
         v = getattr(args, flag)
@@ -145,8 +139,7 @@ def loop_kwargs(args, steps: int) -> dict:
     """EngineLoop's settings from the command line (the slot count may be None: `start_engine_loop` resolves it)."""
     return dict(slots=args.batch_size, steps_per_call=steps, max_queue=args.max_queue,
                 exit_on_finish=args.exit_on_finish, lookahead=getattr(args, "lookahead", False),
-                spec_max_slots=getattr(args, "spec_max_slots", None),
-                admit_wait=getattr(args, "admit_wait_ms", 0.0) / 1e3)
+                spec_max_slots=getattr(args, "spec_max_slots", None))
 
 
 def start_engine_loop(llm_kwargs: dict, loop_kw: dict, warmup: str | None):

@@ -7,11 +7,6 @@ job the tokens it got (`Scheduler.stop_check` is the per-request, per-round hook
 incrementally and posts the new text to its handler's asyncio queue, thread-safely. A job whose client went away
 answers the hook with "stop", so the scheduler retires its slot in the same round.
 
-A request that finds the batch idle may wait a little for others (`admit_wait`): clients that finished together send
-their next requests a few milliseconds apart, and taken one by one they would be admitted in small groups, each
-running its own prefill and decode calls out of step with the rest; gathered, they are admitted in full prefill
-groups, as a batch job's requests are.
-
 Requests asking for logprobs take a separate path: the scheduler does not compute them, `LLM.generate` (static
 batches) does; they run on this same thread between scheduler rounds, batched when several are waiting, and
 answer in one piece (a streamed one as one content chunk).
@@ -35,9 +30,6 @@ from ..scheduler import Finished, Scheduler, SlotRequest
 from ..tokenizer import StreamDecoder
 
 log = logging.getLogger("lucebox_jax.serve")
-
-
-ADMIT_WAIT_CAP = 5  # a gathering window lasts at most this many times `admit_wait`
 
 
 class QueueFull(Exception):
@@ -110,12 +102,8 @@ class EngineLoop:
     """Owns `llm` and one `Scheduler` of `slots` x `max_len`; `start()` runs the device thread."""
 
     def __init__(self, llm, slots: int, max_len: int, steps_per_call: int, max_queue: int = 256,
-                 max_prefill_batch: int = 8, spec=None, exit_on_finish: bool = False, lookahead: bool = False,
-                 admit_wait: float = 0.0):
+                 max_prefill_batch: int = 8, spec=None, exit_on_finish: bool = False, lookahead: bool = False):
         self.llm = llm
-        # seconds a burst into an idle batch is gathered for: while requests keep arriving within this of each other,
-        # up to ADMIT_WAIT_CAP times it in all (the device is idle meanwhile; only the first request's TTFT pays)
-        self.admit_wait = admit_wait
         self.tokenizer = llm.tokenizer
         self.slots = slots
         self.max_len = max_len
@@ -206,30 +194,19 @@ class EngineLoop:
                 self._live.clear()
                 self.stats["device_errors"] += 1
 
-    def _next(self, wait: float = 0.0) -> Job | None:
+    def _next(self, block: bool) -> Job | None:
         if self._held:
             return self._held.popleft()
         try:
-            return self.inbox.get(timeout=wait) if wait > 0 else self.inbox.get_nowait()
+            return self.inbox.get(timeout=0.2) if block else self.inbox.get_nowait()
         except queue.Empty:
             return None
 
     def _feed(self):
-        """Jobs for the scheduler as SlotRequests; None when nothing is waiting (blocks briefly when idle). A job that
-        finds the batch idle opens a gathering window (`admit_wait`): the feed goes on waiting for jobs while they
-        arrive within `admit_wait` of each other (up to ADMIT_WAIT_CAP times it, or until every slot is taken)."""
-        gather_end = 0.0  # while gathering: the window's hard end
+        """Jobs for the scheduler as SlotRequests; None when nothing is waiting (blocks briefly when idle)."""
         while not self._stop.is_set():
-            now = time.perf_counter()
-            if gather_end > now and len(self._live) < self.slots:
-                job = self._next(min(self.admit_wait, gather_end - now))
-            else:
-                idle = not self._live
-                job = self._next(0.2 if idle else 0.0)
-                if job is not None and idle and self.admit_wait > 0:
-                    gather_end = time.perf_counter() + ADMIT_WAIT_CAP * self.admit_wait
+            job = self._next(block=not self._live)
             if job is None:
-                gather_end = 0.0
                 yield None
                 continue
             if job.cancelled:
@@ -261,7 +238,7 @@ class EngineLoop:
         """Logprob requests: LLM.generate's static batch (it computes vLLM-style logprobs), between rounds."""
         batch = [first]
         while len(batch) < self.llm.max_batch:
-            nxt = self._next()
+            nxt = self._next(block=False)
             if nxt is None:
                 break
             if not nxt.wants_logprobs:
