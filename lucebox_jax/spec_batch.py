@@ -14,10 +14,12 @@ Policy (`BatchSpec`), so that speculation never makes a job slower by much:
   until its request finishes (a new request in that slot starts afresh). `min_accept` defaults to the break-even
   of the slot's realised acceptance: a step costs 1 + K (draft cost + verify cost per extra position) plain steps
   and yields 1 + accepted tokens, so it pays while accepted / drafted >= that per-draft cost;
-- when no live slot speculates, the scheduler runs the plain `decode_chunk` (no draft, one position per step).
-A slot that does not speculate takes its token with `sampling.sample` at the same position and key as the plain
-decode step, so its output is the plain output. Greedy output therefore equals the plain scheduler's token for token
-(on float32; see README for bfloat16); sampled slots follow the target's distribution (rejection sampling), keyed by
+- when no live slot speculates, the scheduler runs the plain `decode_chunk` (no draft, one position per step);
+  until then a greedy slot that stopped still takes its accepted drafts (the call's verify covers every row, and its
+  greedy tokens are the same either way), so a slot's switch-off costs it nothing while others speculate.
+A sampled slot that does not speculate takes its token with `sampling.sample` at the same position and key as the plain
+decode step, so its output is the plain output. Greedy output equals the plain scheduler's token for token, whether a
+slot speculates or not (on float32; see README for bfloat16); sampled slots follow the target's distribution (rejection sampling), keyed by
 (seed, position) and decided only by the slot's own history, so a seeded request does not depend on its neighbours.
 """
 
@@ -173,7 +175,10 @@ def spec_decode_chunk(cfg, kernels, drafter, weights, dparams, state, retire, ex
                                             hidden_layers=drafter.hidden_layers, verify=True)
         else:
             logits, cache = forward(cfg, kernels, weights, cache, window, start, verify=True)
-        on = sp.on & live
+        # a greedy slot that stopped speculating still takes its accepted drafts while another slot keeps the call
+        # speculative: the verify is paid for every row anyway, and greedy tokens are the same either way (a sampled
+        # slot's draws would depend on whether its neighbours speculate: it keeps to its own flag)
+        on = live & (sp.on | ((st.rp.temperature <= 0) & jnp.any(sp.on & live)))
         n, nxt = accept_tokens(logits, drafts, q, st.rp, start + 1, st.seen)
         plain = sample(logits[:, 0], st.rp, start + 1, st.seen)  # exactly the plain decode step's draw
         n, nxt = jnp.where(on, n, 0), jnp.where(on, nxt, plain)
@@ -192,8 +197,9 @@ def spec_decode_chunk(cfg, kernels, drafter, weights, dparams, state, retire, ex
         dstate = drafter.commit(dstate, st.tokens, drafts, n, start)
         if drafter.hidden_layers:  # a draft head catches up on the target's features of this verify
             dstate = drafter.absorb(dparams, dstate, vo.hidden, vo.tokens, n, start)
-        drafted = sp.drafted + jnp.where(on, k, 0)
-        accepted = sp.accepted + n
+        # (a slot's own rate counts its own speculation: one switched off stays off until its request ends)
+        drafted = sp.drafted + jnp.where(sp.on & live, k, 0)
+        accepted = sp.accepted + jnp.where(sp.on & live, n, 0)
         still = sp.on & ~((drafted >= warmup) & (accepted.astype(jnp.float32) < min_accept * drafted))
         hist = sp.hist + jnp.sum(jax.nn.one_hot(n, k + 1, dtype=jnp.int32) * on[:, None], axis=0)
         spec = SpecRows(dstate=dstate, prev=jnp.where(live, prev, sp.prev), on=still, drafted=drafted,

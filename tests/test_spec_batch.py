@@ -100,6 +100,29 @@ def test_policy_slot_limit_and_acceptance_floor(tiny_llm, case):
     assert BatchSpec(d, 4, verify_cost=0.03).min_accept == pytest.approx(d.cost_ratio + 0.03)
 
 
+def test_switched_off_greedy_slot_takes_drafts_while_others_speculate(tiny_llm):
+    """In a speculative call, a greedy slot that stopped speculating still takes its accepted drafts (the verify covers
+    it anyway): with the same prompt as a speculating greedy slot it makes the same tokens, as many; a sampled slot
+    that stopped makes one token a step; the switched-off slots' own acceptance counts do not move."""
+    import jax.numpy as jnp
+
+    p = _prompts(2)[1]
+    reqs = _requests(tiny_llm, [p, p], [200, 200]) + _requests(tiny_llm, [p], [200], temp=0.8)
+    sched = Scheduler(tiny_llm.engine, slots=3, max_len=MAX_LEN, steps_per_call=16, max_prefill_batch=4,
+                      spec=BatchSpec(build("ngram", tiny_llm.engine), 3, min_accept=0.0))
+    sched._admit([dataclasses.replace(r, key=i) for i, r in enumerate(reqs)], [0, 1, 2])
+    on = jnp.asarray([True, False, False])
+    sched.state = sched.state.replace(spec=sched.state.spec.replace(on=on))
+    sched._spec_on = np.asarray(on)
+    buf = np.asarray(sched._decode(np.zeros(3, bool), 4, active=(0, 1, 2)))
+    toks = [[int(t) for t in row if t >= 0] for row in buf]
+    assert sched.stats["spec_calls"] == 1
+    assert len(toks[0]) > 16, "the speculating slot accepted nothing: the test would show nothing"
+    assert toks[1] == toks[0]
+    assert len(toks[2]) == 16
+    assert [int(x) for x in sched.state.spec.drafted] == [16 * 3, 0, 0]
+
+
 def test_speculative_call_is_not_read_back_at_dispatch(tiny_llm, case):
     """A speculative call's per-slot switches are read in the next round, not when it is dispatched (that read waited
     for the whole call before the round's hooks could run); they are read before anything donates that state."""
