@@ -8,7 +8,8 @@
 # check_spec_equal.py under the mode; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
 # TREES (bench_spec --tree sizes, default 15@5,15@5/8,15@6/6,32: N@K/beam), EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
 # (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py; SPEC_FLAG_AB='f1;f2' times the
-# eagle chain under no XLA_FLAGS and under each setting given.
+# eagle chain under no XLA_FLAGS and under each setting given; SPEC_ENV_AB='A=1;A=0' the same under each set of
+# environment assignments.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -59,6 +60,17 @@ if [ -n "${SPEC_FLAG_AB:-}" ]; then
     XLA_FLAGS="${FLAG_SETS[$i]}" timeout 150 python3 benchmarks/bench_spec.py --model "$M" --drafters eagle --ks 4 \
       --tree 0 --temps 0 --no-synthetic --no-self-draft --budget 110 > "$OUT/spec_flags$i.log" 2>&1
     echo "XLA_FLAGS=${FLAG_SETS[$i]}:"; grep -E "accepted .*speedup" "$OUT/spec_flags$i.log" | tail -2
+  done
+fi
+if [ -n "${SPEC_ENV_AB:-}" ]; then
+  # the eagle chain (K = 4, greedy, 4 prompts) under each ';'-separated set of environment assignments, in separate
+  # processes, e.g. SPEC_ENV_AB='LUCEBOX_VERIFY_APPEND=0;LUCEBOX_VERIFY_APPEND=1' (the verify's window written first
+  # or by the decode kernel)
+  IFS=';' read -ra ENV_SETS <<< "${SPEC_ENV_AB}"
+  for i in "${!ENV_SETS[@]}"; do
+    env ${ENV_SETS[$i]} timeout 150 python3 benchmarks/bench_spec.py --model "$M" --drafters eagle --ks 4 \
+      --tree 0 --temps 0 --no-synthetic --no-self-draft --budget 110 > "$OUT/spec_env$i.log" 2>&1
+    echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup" "$OUT/spec_env$i.log" | tail -2
   done
 fi
 if [ "${SERVE:-1}" = 1 ]; then

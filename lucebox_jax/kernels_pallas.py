@@ -71,16 +71,18 @@ else:
         return window is not None and window < k.shape[2]
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
-    def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False):
+    def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
+                                   window_rows=0):
         if not _pow2(q.shape[-1]) or _windowed(k, window):
             if append:  # write first, as the model does for a kernel without `append`
-                hkv = k.shape[1]
+                hkv, t = k.shape[1], max(window_rows, 1)  # (window_rows: B windows of t rows, rows b * t + j)
                 q, k_new, v_new = q[:, :-2 * hkv], q[:, -2 * hkv:-hkv], q[:, -hkv:]
-                k, v = (kernels_xla.write_kv(c, n[:, None], lengths - 1) for c, n in ((k, k_new), (v, v_new)))
+                k, v = (kernels_xla.write_kv(c, n.reshape(-1, t, *n.shape[1:]), lengths[::t] - 1)
+                        for c, n in ((k, k_new), (v, v_new)))
             o = kernels_xla.attention_decode_xla(q, k, v, lengths, rows, scale=scale, window=window)
             return (o, k, v) if append else o
-        return attention_decode_pallas(q, k, v, lengths, rows, append=append, scale=scale, interpret=_interpret(),
-                                       row_invariant=_invariant())
+        return attention_decode_pallas(q, k, v, lengths, rows, append=append, window_rows=window_rows, scale=scale,
+                                       interpret=_interpret(), row_invariant=_invariant())
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
     def attention_prefill_pallas_op(q, k, v, start, *, scale, window=None):

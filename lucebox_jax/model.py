@@ -10,6 +10,7 @@ ran 3-4x slower for decode GEMVs."""
 from __future__ import annotations
 
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +103,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 DEFER_ONE_ROW_NORM = True
 # a decode step's K/V appended by the decode kernel itself when it takes `append` (False: written first; A/B)
 APPEND_KV = True
+# ... and a short verify's window (LUCEBOX_VERIFY_APPEND=0 writes it first: A/B in benchmarks)
+APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16
 
@@ -259,8 +262,12 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         "attention_tree", kernels.attention_tree, "in_cache") else {}
     attn = ops.get("attention_decode" if by_rows else "attention_prefill",
                    kernels.attention_decode if by_rows else kernels.attention_prefill)
-    # a decode kernel that appends the step's own K/V itself saves the cache writes' 2 kernels a layer
+    # a decode kernel that appends the step's own K/V itself saves the cache writes' 2 kernels a layer; so does one
+    # that appends a short verify's window (`window_rows`; not in the row-invariant mode, whose verify must round as
+    # decode steps that read the window from the cache)
     append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
+    append_rows = (as_decode and APPEND_VERIFY and not quant.ROW_INVARIANT
+                   and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
     for i, lw in enumerate(w.layers):
         qkv = normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels)
         q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
@@ -277,6 +284,12 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2)[:, 0], cache.k[i], cache.v[i], start + 1,
                              scale=scale, append=True, **extra)
             o = o[:, None]
+        elif append_rows:  # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window
+            lens = (positions + 1).reshape(b * t)
+            rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+            o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i],
+                             cache.v[i], lens, rows, scale=scale, append=True, window_rows=t, **extra)
+            o = o.reshape(b, t, hq, hd)
         else:
             kc, vc = _write_kv(cache.k[i], k, start), _write_kv(cache.v[i], v, start)
             o = _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra, decode, as_decode,

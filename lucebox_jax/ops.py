@@ -44,7 +44,10 @@ OP_SIGNATURES = {
         "fn(q [B, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], lengths [B] int32, *, scale) -> [B, Hq, D]; "
         "row b sees cache positions < lengths[b]; window=W (static, only for sliding-window layers) keeps the "
         "last W of them; optional rows [B] int32 after lengths (a short speculative verify, its positions as decode "
-        "rows; a kernel without it sends verifies to attention_prefill): query row b reads cache row rows[b]"
+        "rows; a kernel without it sends verifies to attention_prefill): query row b reads cache row rows[b]; "
+        "optional append=True (q [B, Hq + 2 Hkv, D] also holds the step's own keys and values, which the kernel "
+        "writes at lengths[b] - 1, returning (out, k, v)) and, with rows, window_rows=T (the rows are windows of T "
+        "positions, written by the kernel; pallas_kernels/README.md)"
     ),
     "attention_tree": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "

@@ -19,6 +19,15 @@ chunk holds slot lengths[b] - 1 writes them there (the cache buffers are aliased
 holds the slot reads the new key in place of the stale one, so the result is bitwise that of writing the cache first
 and then attending, without the writes' two kernels a layer and with one input fusion instead of three.
 
+`append=True` with `rows` and `window_rows=T` (a short speculative verify as B * T decode rows): query row r is
+position t = r % T of a window of T new positions of cache row rows[r], whose keys and values are q's rows r - t ..
+r - t + T - 1 (the window's own rows). Each program reads the cache only before the window's first slot, attends to
+the window's keys 0..t from q (the last split of the row, one key at a time), and its row's key and value are written
+at slot lengths[r] - 1 (the window placed as a dynamic-update-slice places T rows). No read can meet a write (writes
+are at or past the window's start, reads before it), so the verify's two cache writes a layer go as for a decode step;
+the softmax runs in another order than attending to a cache written first (not bitwise; the row-invariant mode keeps
+the write-first path).
+
 `row_invariant=True` fixes n_split by the cache shape alone (as for one row) and merges the splits in order, so a
 row's output does not depend on how many rows share the call (lucebox_jax.quant.ROW_INVARIANT).
 """
@@ -51,7 +60,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows, append):
+def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows, append, win_rows):
     row_ref, refs = (refs[0], refs[1:]) if has_rows else (None, refs)
     q_ref, k_ref, v_ref, *refs = refs
     if append:  # q_ref [B, Hq + 2 Hkv, D]; the aliased caches are the last two outputs
@@ -61,6 +70,10 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
     kb = row_ref[b] if has_rows else b  # the cache row this query row reads
     length = jnp.minimum(len_ref[b], seq)
     start = sp * chunk
+    if win_rows:  # this row is position t of its window: the cache is read before the window only
+        t = b % win_rows
+        wstart = jnp.clip(len_ref[b] - 1 - t, 0, seq - win_rows)  # (clamped as dynamic_update_slice clamps)
+        length = jnp.minimum(length, wstart)
     end = jnp.minimum(start + chunk, jnp.minimum(length + 32 * nw, seq) if nw else length)
     n_blocks = jnp.maximum(end - start + bk - 1, 0) // bk
     rows = jnp.arange(bh)
@@ -77,7 +90,7 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
              for w in range(nw)]  # [bh, 1] each
     if append:  # placed as lax.dynamic_update_slice places it: a negative start counts from the end, then clamps
         slot = len_ref[b] - 1
-        slot = jnp.clip(jnp.where(slot < 0, slot + seq, slot), 0, seq - 1)
+        slot = wstart + t if win_rows else jnp.clip(jnp.where(slot < 0, slot + seq, slot), 0, seq - 1)
         k_new = plgpu.load(q_ref.at[b, pl.ds(hq + h, 1), :]).astype(k_ref.dtype)  # [1, D]
         v_new = plgpu.load(q_ref.at[b, pl.ds(hq + hkv + h, 1), :]).astype(v_ref.dtype)
 
@@ -87,7 +100,7 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         kpos = k0 + jnp.arange(bk)
         kmask = kpos < end
         k = plgpu.load(k_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
-        if append:
+        if append and not win_rows:
             k = jnp.where((kpos == slot)[:, None], k_new, k)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [bh, bk], log2 units
         if nw:
@@ -105,18 +118,30 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
             p = jnp.where(vis, p, 0.0)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         v = plgpu.load(v_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
-        if append:
+        if append and not win_rows:
             v = jnp.where((kpos == slot)[:, None], v_new, v)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
     init = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), _NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
     acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, init)
+    if win_rows:
+        def key(i, carry):  # the window's key i (q's row b - t + i), one at a time, into the last split
+            acc, m_i, l_i = carry
+            kw = plgpu.load(q_ref.at[b - t + i, pl.ds(hq + h, 1), :]).astype(jnp.float32)  # [1, D]
+            vw = plgpu.load(q_ref.at[b - t + i, pl.ds(hq + hkv + h, 1), :]).astype(jnp.float32)
+            s = jnp.sum(q.astype(jnp.float32) * kw, axis=1)  # [bh]
+            m_new = jnp.maximum(m_i, s)
+            alpha = jnp.exp2(m_i - m_new)
+            p = jnp.exp2(s - m_new)
+            return acc * alpha[:, None] + p[:, None] * vw, m_new, l_i * alpha + p
+
+        acc, m_i, l_i = lax.fori_loop(0, jnp.where(sp == n_split - 1, t + 1, 0), key, (acc, m_i, l_i))
     if append:
-        @pl.when(sp == slot // chunk)
+        @pl.when(sp == (n_split - 1 if win_rows else slot // chunk))
         def _():
-            plgpu.store(ko_ref.at[b, h, pl.ds(slot, 1), :], k_new)
-            plgpu.store(vo_ref.at[b, h, pl.ds(slot, 1), :], v_new)
+            plgpu.store(ko_ref.at[kb, h, pl.ds(slot, 1), :], k_new)
+            plgpu.store(vo_ref.at[kb, h, pl.ds(slot, 1), :], v_new)
 
     if n_split == 1 and not partials:
         (o_ref,) = out_refs
@@ -156,12 +181,13 @@ def default_config(b: int, hkv: int, s: int, d: int) -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant", "partials", "combine", "append"),
+                     "row_invariant", "partials", "combine", "append", "window_rows"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
     row_invariant: bool = False, partials: bool = False, combine: str = "xla", append: bool = False,
+    window_rows: int = 0,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -175,7 +201,8 @@ def attention_decode(
     whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix.
     append=True: q [B, Hq + 2 Hkv, D] also holds the step's own keys and values (heads Hq.., Hq + Hkv..), written at
     slot lengths[b] - 1 (placed as a dynamic-update-slice places it) and attended there; returns (out, k, v), the
-    caches updated in place (no rows, win_mask or partials with it)."""
+    caches updated in place (no win_mask or partials with it). With `rows`, append needs `window_rows` = T: the rows
+    are B windows of T consecutive positions (module docstring), each row's key and value written at lengths - 1."""
     _, hkv, seq, _ = k.shape
     bsz, hq, d = q.shape
     hq -= 2 * hkv if append else 0
@@ -195,10 +222,12 @@ def attention_decode(
     lengths = lengths.astype(jnp.int32)
     nw = 0 if win_mask is None else win_mask.shape[-1]
     assert nw in (0, 1, 2), win_mask.shape
-    assert not (append and (rows is not None or nw or partials)), "append is for a plain decode step"
+    assert not (append and (nw or partials)), "append is for a decode step or a short verify"
+    assert (append and rows is not None) == (window_rows > 0), "window_rows goes with append and rows"
+    assert not window_rows or (bsz % window_rows == 0 and window_rows <= seq), (bsz, window_rows, seq)
     kern = functools.partial(
         _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split, partials=partials,
-        nw=nw, has_rows=rows is not None, append=append,
+        nw=nw, has_rows=rows is not None, append=append, win_rows=window_rows,
     )
     if n_split == 1 and not partials:
         out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
@@ -211,8 +240,9 @@ def attention_decode(
     # no rows: row b reads cache row b by its program id (an arange passed in would cost a kernel a call)
     row_arg = [] if rows is None else [rows.astype(jnp.int32)]
     aliases = {}
-    if append:  # caches aliased in (arguments 2 and 3 after lengths, q) and out (the last two outputs)
-        aliases = {2: len(out_shape), 3: len(out_shape) + 1}
+    if append:  # caches aliased in (the arguments after lengths, rows, q) and out (the last two outputs)
+        at = 2 + len(row_arg)
+        aliases = {at: len(out_shape), at + 1: len(out_shape) + 1}
         out_shape = out_shape + [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
     outs = pl.pallas_call(
         kern,
@@ -273,13 +303,14 @@ def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
     return o.reshape(bsz, hq, d).astype(q.dtype)
 
 
-def attention_decode_pallas(q, k, v, lengths, rows=None, *, scale, append: bool = False,
+def attention_decode_pallas(q, k, v, lengths, rows=None, *, scale, append: bool = False, window_rows: int = 0,
                             interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1])
     cfg.update(overrides)
-    return attention_decode(q, k, v, lengths, rows, append=append, scale=float(scale), interpret=interpret, **cfg)
+    return attention_decode(q, k, v, lengths, rows, append=append, window_rows=window_rows, scale=float(scale),
+                            interpret=interpret, **cfg)
 
 
 del math

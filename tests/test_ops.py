@@ -116,3 +116,37 @@ def test_decode_kernel_that_appends_kv_gives_the_written_then_attended_step():
         for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):
             assert (a == c).all()
         assert not (want_c.k[0] == cache.k[0]).all()  # the step wrote its keys
+
+
+def test_verify_whose_decode_kernel_appends_the_window_gives_the_written_then_attended_logits():
+    """A short verify (decode rows) with the Pallas decode kernel (interpret mode) writing the window's K/V itself
+    (`window_rows`, the default) gives the cache and logits of the verify that writes it first (model.APPEND_VERIFY =
+    False), up to the softmax's order; batch 1 and 2 rows at ragged starts, jitted, cache donated."""
+    from lucebox_jax import model
+
+    assert ops.accepts("attention_decode", "pallas", "window_rows")
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(3), group_size=32)
+    ks = KernelSet(attention_decode="pallas")
+    for start in ([5], [0, 21]):
+        b = len(start)
+        s = jnp.array(start, jnp.int32)
+        cache = init_cache(cfg, b, 32)
+        cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
+                                      for i, c in enumerate(cache.k)), lengths=s)
+        toks = (jnp.arange(b * 5).reshape(b, 5) * 7 + 3) % cfg.vocab_size
+        outs = []
+        for append in (True, False):
+            model.APPEND_VERIFY = append
+            try:
+                step = jax.jit(lambda c, t, st: forward(cfg, ks, w, c, t, st, verify=True), donate_argnums=0)
+                outs.append(step(jax.tree.map(jnp.copy, cache), toks, s))
+            finally:
+                model.APPEND_VERIFY = True
+        (got, got_c), (want, want_c) = outs
+        assert jnp.allclose(got, want, atol=2e-3, rtol=2e-3)
+        # the first layer's window is written exactly; later layers' keys follow attention outputs that round apart
+        assert (got_c.k[0] == want_c.k[0]).all() and (got_c.v[0] == want_c.v[0]).all()
+        for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):
+            assert jnp.allclose(a, c, atol=1e-4, rtol=1e-4)
+        assert not (want_c.k[0][:, :, start[0]:start[0] + 5] == cache.k[0][:, :, start[0]:start[0] + 5]).all()

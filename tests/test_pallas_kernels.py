@@ -238,6 +238,63 @@ def test_attention_decode_append_gpu(b, hq, hkv, s, d, lens, kw):
     _check_append(b, hq, hkv, s, d, lens, kw, interpret=False)
 
 
+WINDOW_CASES = [  # B, T, Hq, Hkv, S, D, window starts, knobs
+    (1, 5, 9, 3, 256, 64, [7], {}),  # SmolLM2 heads, a chain verify of K + 1 = 5 at batch 1
+    (2, 3, 8, 2, 128, 32, [0, 62], {}),  # a window from slot 0; one across a 64-key tile
+    (2, 4, 4, 4, 512, 64, [300, 508], dict(n_split=4, combine="kernel")),  # 4 splits; the window ends the cache
+    (3, 2, 4, 2, 64, 16, [5, 20, 63], {}),  # past the cache: placed as a dynamic-update-slice clamps T rows
+]
+
+
+def _check_window(b, t, hq, hkv, s, d, starts, kw, interpret):
+    """append=True with rows and window_rows=T (a verify of T positions as B * T decode rows): the caches equal XLA's
+    write of the window (kernels_xla.write_kv), and each row's output equals attending to that cache up to its own
+    position (not bitwise: the window is merged in another order)."""
+    rng = np.random.default_rng(s + t)
+    q, k_new, v_new = (jnp.asarray(rng.standard_normal((b * t, h, d)), jnp.bfloat16) for h in (hq, hkv, hkv))
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
+    start = jnp.asarray(starts, jnp.int32)
+    placed = jnp.clip(start, 0, s - t)  # where a dynamic-update-slice puts T rows
+    lens = (placed[:, None] + 1 + jnp.arange(t)[None, :]).reshape(-1).astype(jnp.int32)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    kc, vc = (kernels_xla.write_kv(c, n.reshape(b, t, hkv, d), start) for c, n in ((k, k_new), (v, v_new)))
+    want = attention_decode_reference(q, kc, vc, lens, rows, scale=d**-0.5)
+    fn = jax.jit(lambda q, k, v, L, R: attention_decode(q, k, v, L, R, scale=d**-0.5, interpret=interpret, append=True,
+                                                        window_rows=t, **kw), donate_argnums=(1, 2))
+    out, k2, v2 = fn(jnp.concatenate([q, k_new, v_new], axis=1), k, v, lens, rows)
+    assert (np.asarray(k2) == np.asarray(kc)).all() and (np.asarray(v2) == np.asarray(vc)).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,kw", WINDOW_CASES)
+def test_attention_decode_appends_a_verify_window(b, t, hq, hkv, s, d, starts, kw):
+    _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,kw", WINDOW_CASES)
+def test_attention_decode_appends_a_verify_window_gpu(b, t, hq, hkv, s, d, starts, kw):
+    _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=False)
+
+
+def test_attention_decode_window_registered_fallback():
+    """The registered op's XLA fallback (head size not a power of two) writes the window first and attends."""
+    rng = np.random.default_rng(4)
+    b, t, hq, hkv, s, d = 2, 3, 4, 2, 32, 24
+    q = jnp.asarray(rng.standard_normal((b * t, hq + 2 * hkv, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32) for _ in range(2))
+    start = jnp.asarray([4, 20], jnp.int32)
+    lens = (start[:, None] + 1 + jnp.arange(t)[None, :]).reshape(-1)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    out, k2, v2 = ops.get("attention_decode", "pallas")(q, k, v, lens, rows, scale=0.2, append=True, window_rows=t)
+    kc, vc = (kernels_xla.write_kv(c, q[:, sl].reshape(b, t, hkv, d), start)
+              for c, sl in ((k, slice(hq, hq + hkv)), (v, slice(hq + hkv, None))))
+    assert (np.asarray(k2) == np.asarray(kc)).all() and (np.asarray(v2) == np.asarray(vc)).all()
+    want = kernels_xla.attention_decode_xla(q[:, :hq], kc, vc, lens, rows, scale=0.2)
+    assert (np.asarray(out) == np.asarray(want)).all()
+
+
 def test_attention_decode_append_registered_fallback():
     """The registered op falls back to XLA (a head size that is not a power of two) and still appends."""
     q, k_new, v_new, k, v, lengths = _append_case(2, 4, 2, 32, 24, [5, 32], 3)
