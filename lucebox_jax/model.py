@@ -203,6 +203,12 @@ def tree_rows(c, win, start, tree):
     return jax.vmap(lambda cc, n, st: jax.lax.dynamic_update_slice(cc, n, (0, st, 0)))(rows, kv, jnp.repeat(start, t))
 
 
+def _decode_rows(positions):
+    """A verify's B x T positions as decode rows: (lengths [B * T], cache row of each [B * T])."""
+    b, t = positions.shape
+    return (positions + 1).reshape(b * t), jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+
+
 def _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra, decode, as_decode,
             tree_as_decode, tree_extra):
     """One layer's attention over the cache kc/vc, which already holds this call's keys k/v at start.. (forward)."""
@@ -218,8 +224,7 @@ def _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra
     if decode:
         return attn(q[:, 0], kc, vc, start + 1, scale=scale, **extra)[:, None]
     if as_decode:  # B * T decode rows: row (b, t) reads cache row b up to position start + t
-        lens = (positions + 1).reshape(b * t)
-        rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+        lens, rows = _decode_rows(positions)
         return attn(q.reshape(b * t, hq, hd), kc, vc, lens, rows, scale=scale, **extra).reshape(b, t, hq, hd)
     return attn(q, kc, vc, start, scale=scale, **extra)
 
@@ -285,8 +290,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
                              scale=scale, append=True, **extra)
             o = o[:, None]
         elif append_rows:  # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window
-            lens = (positions + 1).reshape(b * t)
-            rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+            lens, rows = _decode_rows(positions)
             o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i],
                              cache.v[i], lens, rows, scale=scale, append=True, window_rows=t, **extra)
             o = o.reshape(b, t, hq, hd)
