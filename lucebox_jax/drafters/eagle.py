@@ -37,6 +37,9 @@ from .base import DraftError, Drafter, register
 
 HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
 FORMAT = "lucebox-eagle-1"
+# K - 1 draft steps as straight-line code instead of a loop: an XLA while loop inside the speculative loop's body
+# splits the body's CUDA graph around it (LUCEBOX_DRAFT_UNROLL=0 keeps the `lax.scan` loop, for A/B)
+UNROLL_DRAFT = os.environ.get("LUCEBOX_DRAFT_UNROLL", "1") != "0"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,7 +244,7 @@ class EagleDrafter(Drafter):
         if k == 1:
             return d1[:, None], q1[:, None], state
         (kc, vc, _, _), (ds, qs) = jax.lax.scan(step, (state.k, state.v, state.h_last, d1),
-                                                jnp.arange(1, k, dtype=jnp.int32))
+                                                jnp.arange(1, k, dtype=jnp.int32), unroll=UNROLL_DRAFT)
         drafts = jnp.concatenate([d1[:, None], ds.T], axis=1)
         q = jnp.concatenate([q1[:, None], qs.transpose(1, 0, 2)], axis=1)
         return drafts, q, state.replace(k=kc, v=vc)
