@@ -86,17 +86,35 @@ def bench_embedded(args):
     ks = [int(k) for k in args.ks.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
 
-    def one_pass(temp):
-        """Each prompt alone (batch 1); -> (seconds, tokens, spec stats per prompt)."""
+    llm.time_phases = True  # one wait after the first token (and after the head's start): phases told apart
+
+    def one_pass(temp, phases=None):
+        """Each prompt alone (batch 1); -> (seconds, tokens, spec stats per prompt). phases: a dict that collects
+        the seconds of each phase and the loop's steps, summed over the prompts."""
         secs, toks, stats = 0.0, 0, []
         for i, p in enumerate(prompts):
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True, seed=100 + i)
             out = llm.generate(p, sp)
             secs += llm.last_stats["seconds"]
-            toks += len(out[0].outputs[0].token_ids)
-            if "speculative" in llm.last_stats:
-                stats.append(llm.last_stats["speculative"])
+            n = len(out[0].outputs[0].token_ids)
+            toks += n
+            st = llm.last_stats.get("speculative")
+            if st is not None:
+                stats.append(st)
+            if phases is not None:
+                pre = llm.last_stats["prefill_seconds"]
+                init = st["init_seconds"] if st else 0.0
+                for key, v in (("prefill", pre), ("init", init), ("loop", llm.last_stats["seconds"] - pre - init),
+                               ("steps", st["target_steps"] if st else n - 1)):
+                    phases[key] = phases.get(key, 0.0) + v
         return secs, toks, stats
+
+    def phase_ms(ph: dict) -> dict:
+        """Per prompt: prefill and the head's start in ms; the decode loop in ms a target step (the part a
+        speculative step must keep under tokens-per-step plain steps)."""
+        n = len(prompts)
+        return {"prefill_ms": round(1e3 * ph["prefill"] / n, 3), "init_ms": round(1e3 * ph["init"] / n, 3),
+                "loop_ms_per_step": round(1e3 * ph["loop"] / max(ph["steps"], 1), 4)}
 
     configs = [(d, k, None) for k in sorted(ks, key=lambda k: (k != 4, k)) for d in drafters]  # K=4 of each first
     trees = [parse_tree(x) for x in str(args.tree).split(",") if x.strip() and parse_tree(x)[0]]
@@ -125,11 +143,13 @@ def bench_embedded(args):
             one_pass(temp)  # compile
             compile_s = llm.engine.compile_seconds - c0
             ratios, base_tps, spec_tps, all_stats = [], [], [], []
+            spec.time_phases = True
+            ph_plain, ph_spec = {}, {}
             for _ in range(args.reps):
                 llm.spec = None
-                bs, bt, _ = one_pass(temp)
+                bs, bt, _ = one_pass(temp, ph_plain)
                 llm.spec = spec
-                ss, st, stats = one_pass(temp)
+                ss, st, stats = one_pass(temp, ph_spec)
                 ratios.append(bs / ss)
                 base_tps.append(bt / bs)
                 spec_tps.append(st / ss)
@@ -144,11 +164,16 @@ def bench_embedded(args):
                    "plain_tok_s": round(statistics.median(base_tps), 2),
                    "spec_tok_s": round(statistics.median(spec_tps), 2),
                    "speedup": round(statistics.median(ratios), 3), "speedup_pairs": [round(r, 3) for r in ratios],
-                   "compile_s": round(compile_s, 1)}
+                   "compile_s": round(compile_s, 1),
+                   "phases_plain": phase_ms(ph_plain), "phases_spec": phase_ms(ph_spec)}
             RESULTS["embedded"].append(row)
             save()
             log(f"{row['drafter']:>24} K={k} T={temp}: accepted {mean_acc:.2f}/step, {row['spec_tok_s']} vs "
                 f"{row['plain_tok_s']} tok/s, speedup x{row['speedup']}  hist {row['histogram']}")
+            pp, ps = row["phases_plain"], row["phases_spec"]
+            log(f"{'':>24} a prompt: prefill {pp['prefill_ms']} / {ps['prefill_ms']} ms, head start "
+                f"{ps['init_ms']} ms; loop {pp['loop_ms_per_step']} ms a plain step, {ps['loop_ms_per_step']} ms a "
+                f"speculative step ({ps['loop_ms_per_step'] / max(pp['loop_ms_per_step'], 1e-9):.2f} plain steps)")
             if args.profile:
                 profile_one(llm, prompts[0], temp, args.max_tokens, spec, row)
                 save()

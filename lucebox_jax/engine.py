@@ -149,14 +149,17 @@ def _mark_seen(seen, tok):
     return seen.at[jnp.arange(tok.shape[0]), tok].set(True)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "all_logits"), donate_argnames=("cache",))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "all_logits", "hidden_layers"),
+                   donate_argnames=("cache",))
 def prefill_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: KVCache, tokens, start, n_valid,
-                 all_logits: bool = False):
+                 all_logits: bool = False, hidden_layers: tuple | None = None):
     """Write tokens [B, T] at positions start[b]..; rows advance by n_valid[b]. Returns (logits, cache):
-    [B, V] at each row's last valid token (all_logits=False) or [B, T, V]."""
+    [B, V] at each row's last valid token (all_logits=False) or [B, T, V]. With hidden_layers (a draft head's
+    feature layers): (logits, cache, hidden [B, T, F]), so the head starts without a forward of its own."""
     last = jnp.clip(n_valid - 1, 0, tokens.shape[1] - 1)
-    logits, cache = forward(cfg, kernels, weights, cache, tokens, start, last_only=None if all_logits else last)
-    return logits, cache.replace(lengths=start + n_valid)
+    out = forward(cfg, kernels, weights, cache, tokens, start, last_only=None if all_logits else last,
+                  hidden_layers=hidden_layers)
+    return (out[0], out[1].replace(lengths=start + n_valid)) + tuple(out[2:])
 
 
 @functools.partial(jax.jit, static_argnames=("n_logprobs",))
@@ -279,15 +282,19 @@ class Engine:
             needed += quant.ROW_INVARIANT_CACHE_MARGIN
         return min(pow2_at_least(needed, MIN_CACHE), pow2_at_least(self.cfg.max_context, MIN_CACHE))
 
-    def prefill(self, cache: KVCache, prompts: list[list[int]], all_logits: bool = False):
+    def prefill(self, cache: KVCache, prompts: list[list[int]], all_logits: bool = False,
+                hidden_layers: tuple | None = None):
         """Prefill right-padded prompts (one per cache row) in chunks of at most PREFILL_CHUNK tokens.
 
-        Returns (last_logits [B, V] device array, all_logits list of [len_b, V] numpy arrays or None, cache)."""
+        Returns (last_logits [B, V] device array, all_logits list of [len_b, V] numpy arrays or None, cache), and
+        with hidden_layers a fourth value: those layers' hidden states at every prompt position [B, T >= len, F]
+        (a draft head's start, `Drafter.init_state(hidden=)`)."""
         b = len(prompts)
         lens = np.array([len(p) for p in prompts], np.int32)
         total = int(lens.max())
         last = None
         per_pos = [[] for _ in range(b)] if all_logits else None
+        hidden = []
         off = 0
         while off < total:
             t = bucket(min(PREFILL_CHUNK, total - off))
@@ -298,10 +305,11 @@ class Engine:
             n_valid = np.clip(lens - off, 0, t).astype(np.int32)
             start = np.minimum(lens, off).astype(np.int32)  # finished rows re-write their (masked) tail
             start = np.where(n_valid > 0, off, start).astype(np.int32)
-            key = ("prefill", b, t, cache.max_len, all_logits)
-            logits, cache = self._timed_first(key, prefill_step, self.cfg, self.kernels, self.weights, cache,
-                                              jnp.asarray(toks), jnp.asarray(start), jnp.asarray(n_valid),
-                                              all_logits=all_logits)
+            key = ("prefill", b, t, cache.max_len, all_logits, hidden_layers)
+            logits, cache, *h = self._timed_first(key, prefill_step, self.cfg, self.kernels, self.weights, cache,
+                                                  jnp.asarray(toks), jnp.asarray(start), jnp.asarray(n_valid),
+                                                  all_logits=all_logits, hidden_layers=hidden_layers)
+            hidden += h
             if all_logits:
                 lg = np.asarray(logits)
                 for r in range(b):
@@ -315,6 +323,8 @@ class Engine:
         cache = cache.replace(lengths=jnp.asarray(lens))
         if all_logits:
             per_pos = [np.concatenate(x, axis=0) for x in per_pos]
+        if hidden_layers:
+            return last, per_pos, cache, hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden, axis=1)
         return last, per_pos, cache
 
     def new_seen(self, prompts: list[list[int]]):

@@ -98,6 +98,7 @@ class LLM:
             self.spec = SpeculativeDecoder.create(self.engine, draft, num_draft, tokenizer=self.tokenizer, tree=tree,
                                                   tree_beam=tree_beam)
         self.max_batch = max_batch
+        self.time_phases = False  # benchmarks: wait for the first token so last_stats has prefill_seconds
         self._rng = np.random.default_rng(seed)
         self.load_seconds = time.perf_counter() - t0
         self.last_stats: dict = {}
@@ -257,13 +258,18 @@ class LLM:
         want_prompt_lp = any(r.params.prompt_logprobs is not None for r in reqs)
         n_lp = max([r.params.logprobs or 0 for r in reqs] + [0])
         rp = RowParams.from_params([dataclasses.replace(r.params, seed=r.seed) for r in reqs], static=True)
-        last, per_pos, cache = eng.prefill(cache, [r.ids for r in reqs], all_logits=want_prompt_lp)
+        last, per_pos, cache, *hidden = eng.prefill(cache, [r.ids for r in reqs], all_logits=want_prompt_lp,
+                                                    hidden_layers=self._draft_features())
         lens = np.array([len(r.ids) for r in reqs], np.int32)
         seen = eng.new_seen([r.ids for r in reqs])
         first, seen = eng.first_token(last, rp, lens, seen, n_lp)
+        if self.time_phases:
+            jax.block_until_ready(first)
+            t_prefill = time.perf_counter() - t0 - (eng.compile_seconds - c0)
         stop_ids = [self.stop_ids_for(r.params) for r in reqs]  # per row: one row's stops never end another
         if self.spec is not None:
-            bufs, count, cache = self.spec.loop(cache, [r.ids for r in reqs], first, rp, seen, stop_ids, row_max, n_lp)
+            bufs, count, cache = self.spec.loop(cache, [r.ids for r in reqs], first, rp, seen, stop_ids, row_max, n_lp,
+                                                hidden[0] if hidden else None)
         else:
             bufs, count, cache, _ = eng.loop(cache, first, rp, seen, stop_ids, row_max, n_lp)
         toks, count = np.asarray(bufs.tokens), np.asarray(count)
@@ -282,9 +288,15 @@ class LLM:
                                       metrics={"batch_seconds": dt, "batch_size": b}))
         self.last_stats = {"seconds": dt, "completion_tokens": int(count.sum()), "batch": b,
                            "compile_seconds": eng.compile_seconds - c0}
+        if self.time_phases:
+            self.last_stats["prefill_seconds"] = t_prefill
         if self.spec is not None:
             self.last_stats["speculative"] = self.spec.last_stats
         return outs
+
+    def _draft_features(self) -> tuple | None:
+        """The target layers whose hidden states a draft head starts from (the prefill returns them), or None."""
+        return self.spec.drafter.hidden_layers if self.spec is not None else None
 
     def finish(self, r: Request, ids: list[int], row_max: int) -> CompletionOutput:
         """Token ids -> text with end-of-turn tokens and stop strings applied (vLLM conventions)."""
@@ -350,11 +362,12 @@ class LLM:
         cache = eng.new_cache(1, self.spec.cache_len(len(r.ids) + max_new) if self.spec else
                               eng.cache_len_for(len(r.ids) + max_new))
         rp = RowParams.from_params([dataclasses.replace(params, seed=r.seed)], static=True)
-        last, _, cache = eng.prefill(cache, [r.ids])
+        last, _, cache, *hidden = eng.prefill(cache, [r.ids], hidden_layers=self._draft_features())
         seen = eng.new_seen([r.ids])
         out, seen = eng.first_token(last, rp, [len(r.ids)], seen)
         pending = [int(out.tokens[0])]
-        spec_it = self.spec.stream_chunks(cache, [r.ids], out, rp, seen, stop_ids, max_new) if self.spec else None
+        spec_it = self.spec.stream_chunks(cache, [r.ids], out, rp, seen, stop_ids, max_new,
+                                          hidden[0] if hidden else None) if self.spec else None
         t_first = time.perf_counter()
         c1 = eng.compile_seconds
         dec = StreamDecoder(self.tokenizer)

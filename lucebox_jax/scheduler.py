@@ -249,7 +249,8 @@ class Scheduler:
         self._ensure_state(max(len(r.stop_ids) for r in reqs))
         prompts = [r.ids for r in reqs]
         cache = eng.new_cache(p, _prefill_len(max(self.min_prefill_len, max(len(x) for x in prompts))))
-        last, cache = self._prefill(cache, prompts)
+        feats = self.spec.drafter.hidden_layers if self.spec is not None else None  # a draft head's start
+        last, cache, hidden = self._prefill(cache, prompts, feats)
         rp = RowParams.from_params([r.params for r in reqs], fixed=self.sampling)
         lens = np.array([len(x) for x in prompts], np.int32)
         first, seen = eng.first_token(last, rp, lens, eng.new_seen(prompts))
@@ -263,18 +264,19 @@ class Scheduler:
         self.state = self._call(("insert", p, cache.max_len, self.slots, self.cache_len, k), insert_rows, self.state,
                                 cache, slot_d, first.tokens, seen, rp, row_max_d, stop_d)
         if self.spec is not None:
-            self._admit_spec(prompts, slot_ids, first.tokens)
+            self._admit_spec(prompts, slot_ids, first.tokens, hidden)
         self.stats["prefill_calls"] += 1
         self.stats["prefill_rows"] += n
         self.stats["prompt_tokens"] += int(lens[:n].sum())
         return first.tokens
 
-    def _prefill(self, cache: KVCache, prompts: list[list[int]]):
-        """Engine.prefill (right-padded rows, chunks of PREFILL_CHUNK) with chunks of at least min_prefill_len."""
+    def _prefill(self, cache: KVCache, prompts: list[list[int]], hidden_layers: tuple | None = None):
+        """Engine.prefill (right-padded rows, chunks of PREFILL_CHUNK) with chunks of at least min_prefill_len.
+        -> (last logits, cache, hidden states of hidden_layers [B, T, F] or None)."""
         eng = self.engine
         b = len(prompts)
         lens = np.array([len(p) for p in prompts], np.int32)
-        last, off = None, 0
+        last, off, hidden = None, 0, []
         for t in self._chunk_lens(int(lens.max())):
             toks = np.zeros((b, t), np.int32)
             for r, p in enumerate(prompts):
@@ -283,21 +285,25 @@ class Scheduler:
             n_valid = np.clip(lens - off, 0, t).astype(np.int32)
             start = np.where(n_valid > 0, off, np.minimum(lens, off)).astype(np.int32)
             toks_d, start_d, n_valid_d = jax.device_put((toks, start, n_valid))  # one call, no eager conversions
-            logits, cache = self._call(("prefill", b, t, cache.max_len, False), prefill_step, eng.cfg, eng.kernels,
-                                       eng.weights, cache, toks_d, start_d, n_valid_d)
+            logits, cache, *h = self._call(("prefill", b, t, cache.max_len, False, hidden_layers), prefill_step,
+                                           eng.cfg, eng.kernels, eng.weights, cache, toks_d, start_d, n_valid_d,
+                                           hidden_layers=hidden_layers)
+            hidden += h
             ends_here = jnp.asarray((n_valid > 0) & (lens <= off + t))[:, None]
             last = logits if last is None else jnp.where(ends_here, logits, last)
             off += t
-        return last, cache.replace(lengths=jnp.asarray(lens))
+        hidden = (hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden, axis=1)) if hidden else None
+        return last, cache.replace(lengths=jnp.asarray(lens)), hidden
 
-    def _admit_spec(self, prompts, slot_ids, first):
-        """The drafter's state of newly prefilled rows into their slots (speculation on for each)."""
+    def _admit_spec(self, prompts, slot_ids, first, hidden=None):
+        """The drafter's state of newly prefilled rows into their slots (speculation on for each); hidden: the
+        prefill's hidden states of the drafter's feature layers (a draft head's start)."""
         from .spec_batch import insert_spec_rows
 
         eng, d = self.engine, self.spec.drafter
         deng = getattr(d, "engine", None)  # a draft model's own prefill compiles count as compile time
         c0 = deng.compile_seconds if deng is not None else 0.0
-        dstate = self.spec.init_dstate(prompts, self.cache_len, first)
+        dstate = self.spec.init_dstate(prompts, self.cache_len, first, hidden)
         if deng is not None:
             eng.compile_seconds += deng.compile_seconds - c0
         p = len(prompts)

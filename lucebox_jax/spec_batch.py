@@ -97,10 +97,10 @@ class BatchSpec:
                 f"{self.min_accept:.2f} accepted per draft after {self.warmup} drafts")
 
     # ------------------------------------------------------------------------------------------ per-slot state
-    def init_dstate(self, prompts, cache_len: int, first):
+    def init_dstate(self, prompts, cache_len: int, first, hidden=None):
         d = self.drafter
-        if d.hidden_layers:  # a draft head starts from the first generated token
-            return d.init_state(prompts, cache_len, first=first)
+        if d.hidden_layers:  # a draft head starts from the first generated token (and the prefill's features)
+            return d.init_state(prompts, cache_len, first=first, hidden=hidden)
         return d.init_state(prompts, cache_len)
 
     def empty_rows(self, slots: int, cache_len: int) -> SpecRows:

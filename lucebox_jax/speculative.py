@@ -341,6 +341,7 @@ class SpeculativeDecoder:
         self.verify_cost = verify_cost if verify_cost is not None else (
             0.35 if jax.default_backend() == "cpu" else 0.03)
         self.last_stats: dict = {}
+        self.time_phases = False  # benchmarks: wait for the drafter's start so init and loop seconds are told apart
 
     @classmethod
     def create(cls, engine: Engine, draft, num_draft: int | str = 4, tokenizer=None, **kw) -> "SpeculativeDecoder":
@@ -363,7 +364,7 @@ class SpeculativeDecoder:
         return pow2_at_least(needed + extra, MIN_CACHE)
 
     # -------------------------------------------------------------------------------------------- state
-    def _init(self, cache: KVCache, prompts, first: StepOut, seen, stop_ids, row_max, n_logprobs):
+    def _init(self, cache: KVCache, prompts, first: StepOut, seen, stop_ids, row_max, n_logprobs, hidden=None):
         b = len(prompts)
         needed = max(len(p) for p in prompts) + int(np.max(row_max)) + self.span + 1
         if cache.max_len < needed:
@@ -384,7 +385,7 @@ class SpeculativeDecoder:
         deng = getattr(self.drafter, "engine", None)
         c0 = deng.compile_seconds if deng is not None else 0.0
         if self.drafter.hidden_layers:  # a draft head starts from the first generated token
-            dstate = self.drafter.init_state(prompts, cache.max_len, first=first.tokens)
+            dstate = self.drafter.init_state(prompts, cache.max_len, first=first.tokens, hidden=hidden)
         else:
             dstate = self.drafter.init_state(prompts, cache.max_len)
         if deng is not None:  # the draft's prefill compiles count as compile time of the run
@@ -445,20 +446,30 @@ class SpeculativeDecoder:
 
     # -------------------------------------------------------------------------------------------- public
     def loop(self, cache: KVCache, prompts, first: StepOut, rp: RowParams, seen, stop_ids, row_max,
-             n_logprobs: int = 0):
-        """Speculative counterpart of `Engine.loop`: returns (bufs [B, max_new, ...], count [B], cache)."""
+             n_logprobs: int = 0, hidden=None):
+        """Speculative counterpart of `Engine.loop`: returns (bufs [B, max_new, ...], count [B], cache). hidden: the
+        prefill's hidden states of `drafter.hidden_layers` (`Engine.prefill(hidden_layers=)`), a draft head's start
+        without a forward of its own."""
         t0 = time.perf_counter()
-        state, stop, row_max_d, max_new = self._init(cache, prompts, first, seen, stop_ids, row_max, n_logprobs)
+        state, stop, row_max_d, max_new = self._init(cache, prompts, first, seen, stop_ids, row_max, n_logprobs,
+                                                     hidden)
+        if self.time_phases:
+            jax.block_until_ready(state)
+        t1 = time.perf_counter()
         for state in self._steps(state, rp, stop, row_max_d, n_logprobs, None):
             pass
-        self.last_stats = self._stats(state, time.perf_counter() - t0)
+        t2 = time.perf_counter()
+        self.last_stats = self._stats(state, t2 - t0)
+        if self.time_phases:  # (the first call's compiles land in these too)
+            self.last_stats.update(init_seconds=t1 - t0, loop_seconds=t2 - t1)
         bufs = jax.tree.map(lambda a: a[:, :max_new], state.bufs)
         return bufs, state.count, state.cache
 
     def stream_chunks(self, cache: KVCache, prompts, first: StepOut, rp: RowParams, seen, stop_ids,
-                      max_new: int) -> Iterator[list[int]]:
+                      max_new: int, hidden=None) -> Iterator[list[int]]:
         """For one row: lists of new tokens after the first one, one list per device call of a few steps."""
-        state, stop, row_max_d, _ = self._init(cache, prompts, first, seen, stop_ids, np.array([max_new]), 0)
+        state, stop, row_max_d, _ = self._init(cache, prompts, first, seen, stop_ids, np.array([max_new]), 0,
+                                               hidden)
         sent = 1
         for state in self._steps(state, rp, stop, row_max_d, 0, self.stream_steps):
             count = int(state.count[0])

@@ -14,6 +14,7 @@ from lucebox_jax.drafters.eagle import EagleConfig, init_head, load_head, save_h
 from lucebox_jax.engine import Engine, enable_compilation_cache
 from lucebox_jax.model import forward, init_cache
 from lucebox_jax.ops import KernelSet
+from lucebox_jax.sampling import RowParams, SamplingParams
 from lucebox_jax.speculative import SpeculativeDecoder
 from lucebox_jax.synthetic import PRESETS, random_weights
 from test_speculative import run, tiny_prompts
@@ -52,6 +53,36 @@ def test_untrained_head_greedy_equal(eng, k):
     assert run(eng, spec, ps, 20) == ref
     assert run(eng, spec, ps[:1], 20) == ref[:1]
     assert spec.last_stats["row_steps"] > 0
+
+
+def test_head_starts_from_the_prefills_features(eng, monkeypatch):
+    """The prefill's hidden states (Engine.prefill(hidden_layers=), chunked here) start the head as its own forward
+    over the prompts does: same cache at every prompt position and same output at the last; greedy tokens equal."""
+    import lucebox_jax.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "PREFILL_CHUNK", 16)  # three chunks for the longest prompt
+    hc = EagleConfig.for_target(CFG)
+    d = EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng)
+    ps = tiny_prompts([10, 40, 23], seed=5)
+    cache = eng.new_cache(len(ps), 128)
+    last, _, cache, hidden = eng.prefill(cache, ps, hidden_layers=d.hidden_layers)
+    assert hidden.shape[:2] == (3, 48) and hidden.shape[2] == len(d.hidden_layers) * CFG.dim
+    first = jnp.argmax(last, axis=-1).astype(jnp.int32)
+    own, fed = d.init_state(ps, 128, first=first), d.init_state(ps, 128, first=first, hidden=hidden)
+    assert np.allclose(np.asarray(own.h_last), np.asarray(fed.h_last), atol=1e-5)
+    for r, p in enumerate(ps):
+        for a, b in ((own.k, fed.k), (own.v, fed.v)):
+            assert np.allclose(np.asarray(a[r, :, : len(p)]), np.asarray(b[r, :, : len(p)]), atol=1e-5)
+    ref = run(eng, None, ps, 12)
+    spec = SpeculativeDecoder(eng, d, 3)
+    b = len(ps)
+    cache = eng.new_cache(b, spec.cache_len(max(map(len, ps)) + 12))
+    last, _, cache, hidden = eng.prefill(cache, ps, hidden_layers=d.hidden_layers)
+    rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b)
+    first, seen = eng.first_token(last, rp, [len(p) for p in ps], eng.new_seen(ps))
+    bufs, count, _ = spec.loop(cache, ps, first, rp, seen, set(), np.full(b, 12), hidden=hidden)
+    toks, count = np.asarray(bufs.tokens), np.asarray(count)
+    assert [[int(t) for t in toks[i, : count[i]]] for i in range(b)] == ref
 
 
 def test_head_files_round_trip_and_bad_input(eng, tmp_path):

@@ -201,9 +201,10 @@ class EagleDrafter(Drafter):
     def params(self):
         return self._params
 
-    def init_state(self, prompts, cache_len, first=None):
-        """Target features of the prompt (one extra forward), then the head over positions 0 .. P - 1 with the
-        next tokens (prompt[1:] + the first generated token)."""
+    def init_state(self, prompts, cache_len, first=None, hidden=None):
+        """The head over positions 0 .. P - 1 with the next tokens (prompt[1:] + the first generated token), from
+        the target's features of the prompt: `hidden` [B, >= 1, F] as the prefill returned them
+        (`Engine.prefill(hidden_layers=)`), else one extra forward of the target over the prompts."""
         if first is None:
             raise DraftError("the eagle drafter needs the first generated token to start")
         b = len(prompts)
@@ -215,6 +216,11 @@ class EagleDrafter(Drafter):
             nxt[r, : len(p)] = list(p[1:]) + [int(first[r])]
         last = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
         eng = self.target
+        if hidden is not None:  # positions past a prompt's end are never read before absorb rewrites them
+            hidden = hidden[:, :t] if hidden.shape[1] >= t else jnp.pad(
+                hidden, ((0, 0), (0, t - hidden.shape[1]), (0, 0)))
+            return eng._timed_first(("eagle-start", self.key, b, t, cache_len, hidden.dtype), _head_start_jit,
+                                    self.hc, self._params, hidden, jnp.asarray(nxt), last, cache_len)
         return eng._timed_first(("eagle-init", self.key, b, t, cache_len), _eagle_init, eng.cfg, eng.kernels,
                                 self.hc, eng.weights, self._params, jnp.asarray(toks), jnp.asarray(nxt), last,
                                 cache_len)
@@ -356,6 +362,13 @@ def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, last, cache_l
     scratch = init_cache(cfg, b, t)
     _, _, hidden = forward(cfg, kernels, weights, scratch, toks, jnp.zeros((b,), jnp.int32),
                            last_only=jnp.zeros((b,), jnp.int32), hidden_layers=hc.feature_layers)
+    return _head_start(hc, params, hidden, nxt, last, cache_len)
+
+
+def _head_start(hc, params, hidden, nxt, last, cache_len):
+    """The head over the prompt's features hidden [B, T, F] and next tokens nxt [B, T]: its cache and the
+    output at each row's last prompt position."""
+    b = hidden.shape[0]
     shape = (b, hc.n_kv_heads, cache_len, hc.head_dim)
     dt = jnp.dtype(hc.dtype)
     empty = EagleState(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((b, hc.dim), dt))
@@ -366,6 +379,7 @@ def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, last, cache_l
 
 
 _eagle_init = jax.jit(_eagle_init_impl, static_argnames=("cfg", "kernels", "hc", "cache_len"))
+_head_start_jit = jax.jit(_head_start, static_argnames=("hc", "cache_len"))
 
 
 # ---------------------------------------------------------------------------------------------------- files
