@@ -279,6 +279,27 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
     return state
 
 
+@functools.partial(jax.jit, static_argnames=("m", "kmax"))
+def _start_bufs(first: StepOut, stop, row_max, m: int, kmax: int):
+    """The loop's output buffers [B, m, ...] holding the first token in column 0, the rows done at it, the counts
+    (1 a row), the empty acceptance histogram and step count: one program where eager ops made a dozen launches (host time a
+    request pays before its first step)."""
+    b = first.tokens.shape[0]
+    k = first.top_ids.shape[-1]
+    put0 = lambda buf, val: buf.at[:, 0].set(val)  # noqa: E731
+    bufs = StepOut(put0(jnp.full((b, m), -1, jnp.int32), first.tokens),
+                   put0(jnp.zeros((b, m), jnp.float32), first.logprob),
+                   put0(jnp.zeros((b, m, k), jnp.int32), first.top_ids),
+                   put0(jnp.zeros((b, m, k), jnp.float32), first.top_vals))
+    done = jnp.any(first.tokens[:, None] == stop, axis=-1) | (row_max <= 1)
+    return bufs, done, jnp.ones((b,), jnp.int32), jnp.zeros((kmax + 1,), jnp.int32), jnp.int32(0)
+
+
+@functools.partial(jax.jit, static_argnames=("n",))
+def _first_cols(bufs: StepOut, n: int) -> StepOut:
+    return jax.tree.map(lambda a: a[:, :n], bufs)
+
+
 # ---------------------------------------------------------------------------------------------------- driver
 def expected_tokens(alpha: float, k: int) -> float:
     """Mean tokens per step when each draft is accepted independently with probability alpha."""
@@ -372,16 +393,10 @@ class SpeculativeDecoder:
                 f"cache holds {cache.max_len} positions but speculative decoding needs {needed} "
                 f"(prompt + max_tokens + K + 1); size it with SpeculativeDecoder.cache_len")
         max_new = pow2_at_least(int(np.max(row_max)), 16)
-        m = max_new + self.kmax + 1
-        k = n_logprobs
-        put0 = lambda buf, val: buf.at[:, 0].set(val)  # noqa: E731
-        bufs = StepOut(put0(jnp.full((b, m), -1, jnp.int32), first.tokens),
-                       put0(jnp.zeros((b, m), jnp.float32), first.logprob),
-                       put0(jnp.zeros((b, m, k), jnp.int32), first.top_ids),
-                       put0(jnp.zeros((b, m, k), jnp.float32), first.top_vals))
-        stop = jnp.asarray(stop_matrix(stop_ids, b))  # [B, K]: each row its own stop ids
-        row_max = jnp.asarray(row_max, jnp.int32)
-        done = jnp.any(first.tokens[:, None] == stop, axis=-1) | (row_max <= 1)
+        # [B, K] stop ids (each row its own), row budgets, each prompt's last token: one transfer
+        stop, row_max, prev = jax.device_put((stop_matrix(stop_ids, b), np.asarray(row_max, np.int32),
+                                              np.asarray([p[-1] for p in prompts], np.int32)))
+        bufs, done, count, hist, steps = _start_bufs(first, stop, row_max, m=max_new + self.kmax + 1, kmax=self.kmax)
         deng = getattr(self.drafter, "engine", None)
         c0 = deng.compile_seconds if deng is not None else 0.0
         if self.drafter.hidden_layers:  # a draft head starts from the first generated token
@@ -390,9 +405,8 @@ class SpeculativeDecoder:
             dstate = self.drafter.init_state(prompts, cache.max_len)
         if deng is not None:  # the draft's prefill compiles count as compile time of the run
             self.engine.compile_seconds += deng.compile_seconds - c0
-        state = SpecState(cache=cache, dstate=dstate, prev=jnp.asarray([p[-1] for p in prompts], jnp.int32),
-                          tok=first.tokens, seen=seen, done=done, count=jnp.ones((b,), jnp.int32), bufs=bufs,
-                          hist=jnp.zeros((self.kmax + 1,), jnp.int32), steps=jnp.int32(0))
+        state = SpecState(cache=cache, dstate=dstate, prev=prev, tok=first.tokens, seen=seen, done=done,
+                          count=count, bufs=bufs, hist=hist, steps=steps)
         return state, stop, row_max, max_new
 
     def _chunk(self, state: SpecState, rp, stop, row_max, max_steps: int, k: int, n_logprobs: int):
@@ -462,8 +476,7 @@ class SpeculativeDecoder:
         self.last_stats = self._stats(state, t2 - t0)
         if self.time_phases:  # (the first call's compiles land in these too)
             self.last_stats.update(init_seconds=t1 - t0, loop_seconds=t2 - t1)
-        bufs = jax.tree.map(lambda a: a[:, :max_new], state.bufs)
-        return bufs, state.count, state.cache
+        return _first_cols(state.bufs, max_new), state.count, state.cache
 
     def stream_chunks(self, cache: KVCache, prompts, first: StepOut, rp: RowParams, seen, stop_ids,
                       max_new: int, hidden=None) -> Iterator[list[int]]:
