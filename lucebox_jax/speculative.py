@@ -433,12 +433,14 @@ class SpeculativeDecoder:
         """Generator over (state, k) after each device call until all rows are done."""
         k_steps: dict = collections.Counter()
         k = self.ks[len(self.ks) // 2] if self.adaptive else self.ks[0]
+        steps0 = 0  # (a fresh state's; read after each call, never before one: no wait ahead of the first step)
         while True:
             per_call = steps_per_call or (self.adapt_every if self.adaptive else 1 << 30)
-            steps0 = int(state.steps)
             state = self._chunk(state, rp, stop, row_max, per_call, k, n_logprobs)
             hist = np.asarray(state.hist)
-            k_steps[k] += int(state.steps) - steps0
+            steps = int(state.steps)
+            k_steps[k] += steps - steps0
+            steps0 = steps
             self._k_steps = k_steps
             yield state
             if bool(np.all(np.asarray(state.done))):

@@ -210,20 +210,18 @@ class EagleDrafter(Drafter):
         b = len(prompts)
         t = pow2_at_least(max(len(p) for p in prompts), 16)
         toks, nxt = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
-        first = np.asarray(first)
-        for r, p in enumerate(prompts):
+        for r, p in enumerate(prompts):  # (the first generated token goes in at `last` on the device: no wait here)
             toks[r, : len(p)] = p
-            nxt[r, : len(p)] = list(p[1:]) + [int(first[r])]
-        last = jnp.asarray([len(p) - 1 for p in prompts], jnp.int32)
+            nxt[r, : len(p) - 1] = p[1:]
+        last = np.asarray([len(p) - 1 for p in prompts], np.int32)
         eng = self.target
-        if hidden is not None:  # positions past a prompt's end are never read before absorb rewrites them
-            hidden = hidden[:, :t] if hidden.shape[1] >= t else jnp.pad(
-                hidden, ((0, 0), (0, t - hidden.shape[1]), (0, 0)))
-            return eng._timed_first(("eagle-start", self.key, b, t, cache_len, hidden.dtype), _head_start_jit,
-                                    self.hc, self._params, hidden, jnp.asarray(nxt), last, cache_len)
+        if hidden is not None:
+            nxt, last = jax.device_put((nxt, last))
+            return eng._timed_first(("eagle-start", self.key, b, t, hidden.shape, hidden.dtype, cache_len),
+                                    _head_start_jit, self.hc, self._params, hidden, nxt, first, last, cache_len, t)
+        toks, nxt, last = jax.device_put((toks, nxt, last))
         return eng._timed_first(("eagle-init", self.key, b, t, cache_len), _eagle_init, eng.cfg, eng.kernels,
-                                self.hc, eng.weights, self._params, jnp.asarray(toks), jnp.asarray(nxt), last,
-                                cache_len)
+                                self.hc, eng.weights, self._params, toks, nxt, first, last, cache_len)
 
     def absorb(self, params, state: EagleState, hidden, tokens, n, start):
         hc = self.hc
@@ -357,18 +355,26 @@ def select_nodes(cands, n: int, beam_only=None):
     return toks[rows, pick].astype(jnp.int32), parent.astype(jnp.int32), dep[rows, pick], window
 
 
-def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, last, cache_len):
+def _eagle_init_impl(cfg, kernels, hc, weights, params, toks, nxt, first, last, cache_len):
     b, t = toks.shape
     scratch = init_cache(cfg, b, t)
     _, _, hidden = forward(cfg, kernels, weights, scratch, toks, jnp.zeros((b,), jnp.int32),
                            last_only=jnp.zeros((b,), jnp.int32), hidden_layers=hc.feature_layers)
-    return _head_start(hc, params, hidden, nxt, last, cache_len)
+    return _head_start(hc, params, hidden, nxt, first, last, cache_len)
 
 
-def _head_start(hc, params, hidden, nxt, last, cache_len):
-    """The head over the prompt's features hidden [B, T, F] and next tokens nxt [B, T]: its cache and the
-    output at each row's last prompt position."""
+def _head_start_from(hc, params, hidden, nxt, first, last, cache_len, t):
+    """_head_start from the prefill's features [B, T', F], cut or padded to t positions (positions past a
+    prompt's end are never read before absorb rewrites them)."""
+    hidden = hidden[:, :t] if hidden.shape[1] >= t else jnp.pad(hidden, ((0, 0), (0, t - hidden.shape[1]), (0, 0)))
+    return _head_start(hc, params, hidden, nxt, first, last, cache_len)
+
+
+def _head_start(hc, params, hidden, nxt, first, last, cache_len):
+    """The head over the prompt's features hidden [B, T, F] and next tokens nxt [B, T] (prompt[1:], the first
+    generated token `first` [B] put in at each row's `last` prompt position): its cache and its output there."""
     b = hidden.shape[0]
+    nxt = nxt.at[jnp.arange(b), last].set(first.astype(nxt.dtype))
     shape = (b, hc.n_kv_heads, cache_len, hc.head_dim)
     dt = jnp.dtype(hc.dtype)
     empty = EagleState(jnp.zeros(shape, dt), jnp.zeros(shape, dt), jnp.zeros((b, hc.dim), dt))
@@ -379,7 +385,7 @@ def _head_start(hc, params, hidden, nxt, last, cache_len):
 
 
 _eagle_init = jax.jit(_eagle_init_impl, static_argnames=("cfg", "kernels", "hc", "cache_len"))
-_head_start_jit = jax.jit(_head_start, static_argnames=("hc", "cache_len"))
+_head_start_jit = jax.jit(_head_start_from, static_argnames=("hc", "cache_len", "t"))
 
 
 # ---------------------------------------------------------------------------------------------------- files
