@@ -59,7 +59,7 @@ if [ -n "${SPEC_FLAG_AB:-}" ]; then
   for i in "${!FLAG_SETS[@]}"; do
     XLA_FLAGS="${FLAG_SETS[$i]}" timeout 150 python3 benchmarks/bench_spec.py --model "$M" --drafters eagle --ks 4 \
       --tree 0 --temps 0 --no-synthetic --no-self-draft --budget 110 > "$OUT/spec_flags$i.log" 2>&1
-    echo "XLA_FLAGS=${FLAG_SETS[$i]}:"; grep -E "accepted .*speedup" "$OUT/spec_flags$i.log" | tail -2
+    echo "XLA_FLAGS=${FLAG_SETS[$i]}:"; grep -E "accepted .*speedup|a prompt:" "$OUT/spec_flags$i.log" | tail -2
   done
 fi
 if [ -n "${SPEC_ENV_AB:-}" ]; then
@@ -70,7 +70,7 @@ if [ -n "${SPEC_ENV_AB:-}" ]; then
   for i in "${!ENV_SETS[@]}"; do
     env ${ENV_SETS[$i]} timeout 150 python3 benchmarks/bench_spec.py --model "$M" --drafters eagle --ks 4 \
       --tree 0 --temps 0 --no-synthetic --no-self-draft --budget 110 > "$OUT/spec_env$i.log" 2>&1
-    echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup" "$OUT/spec_env$i.log" | tail -2
+    echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup|a prompt:" "$OUT/spec_env$i.log" | tail -2
   done
 fi
 if [ "${SERVE:-1}" = 1 ]; then

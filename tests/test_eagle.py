@@ -132,3 +132,29 @@ def test_embedded_greedy_equal_with_a_head(smol, tmp_path):
         assert [o.outputs[0].token_ids for o in smol.generate(prompts, sp)] == ref
     finally:
         smol.spec = None
+
+
+@pytest.mark.slow
+def test_shipped_head_through_llm_with_phases(smol):
+    """The shipped head through `LLM.generate` and `LLM.stream` (both start it from the prefill's hidden states):
+    greedy tokens equal plain greedy; with time_phases the prefill, head-start and loop seconds are reported."""
+    from lucebox_jax import SamplingParams
+
+    prompt = smol.get_tokenizer().apply_chat_template([{"role": "user", "content": "Name three colours."}])
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    smol.spec = None
+    ref = smol.generate(prompt, sp)[0].outputs[0].token_ids
+    smol.spec = SpeculativeDecoder.create(smol.engine, "eagle", 4)
+    smol.time_phases = smol.spec.time_phases = True
+    try:
+        assert smol.generate(prompt, sp)[0].outputs[0].token_ids == ref
+        smol.generate(prompt, sp)  # (the first call's compiles land in the drafter's phase seconds)
+        st = smol.last_stats
+        sp_st = st["speculative"]
+        assert 0 < st["prefill_seconds"] < st["seconds"] and sp_st["init_seconds"] > 0 and sp_st["loop_seconds"] > 0
+        assert st["prefill_seconds"] + sp_st["init_seconds"] + sp_st["loop_seconds"] <= st["seconds"] + 1e-3
+        assert sp_st["mean_accepted"] > 0  # the trained head: something is accepted on a chat prompt
+        "".join(smol.stream(prompt, sp))
+        assert smol.last_stats["token_ids"] == ref
+    finally:
+        smol.spec, smol.time_phases = None, False
