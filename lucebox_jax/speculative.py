@@ -282,8 +282,8 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
 @functools.partial(jax.jit, static_argnames=("m", "kmax"))
 def _start_bufs(first: StepOut, stop, row_max, m: int, kmax: int):
     """The loop's output buffers [B, m, ...] holding the first token in column 0, the rows done at it, the counts
-    (1 a row), the empty acceptance histogram and step count: one program where eager ops made a dozen launches (host time a
-    request pays before its first step)."""
+    (1 a row), the empty acceptance histogram and the step count: one program where eager ops made a dozen launches
+    (host time a request pays before its first step)."""
     b = first.tokens.shape[0]
     k = first.top_ids.shape[-1]
     put0 = lambda buf, val: buf.at[:, 0].set(val)  # noqa: E731
@@ -297,6 +297,7 @@ def _start_bufs(first: StepOut, stop, row_max, m: int, kmax: int):
 
 @functools.partial(jax.jit, static_argnames=("n",))
 def _first_cols(bufs: StepOut, n: int) -> StepOut:
+    """The first n columns of every output buffer, in one program."""
     return jax.tree.map(lambda a: a[:, :n], bufs)
 
 

@@ -209,9 +209,8 @@ class EagleDrafter(Drafter):
             raise DraftError("the eagle drafter needs the first generated token to start")
         b = len(prompts)
         t = pow2_at_least(max(len(p) for p in prompts), 16)
-        toks, nxt = np.zeros((b, t), np.int32), np.zeros((b, t), np.int32)
+        nxt = np.zeros((b, t), np.int32)
         for r, p in enumerate(prompts):  # (the first generated token goes in at `last` on the device: no wait here)
-            toks[r, : len(p)] = p
             nxt[r, : len(p) - 1] = p[1:]
         last = np.asarray([len(p) - 1 for p in prompts], np.int32)
         eng = self.target
@@ -219,6 +218,9 @@ class EagleDrafter(Drafter):
             nxt, last = jax.device_put((nxt, last))
             return eng._timed_first(("eagle-start", self.key, b, t, hidden.shape, hidden.dtype, cache_len),
                                     _head_start_jit, self.hc, self._params, hidden, nxt, first, last, cache_len, t)
+        toks = np.zeros((b, t), np.int32)
+        for r, p in enumerate(prompts):
+            toks[r, : len(p)] = p
         toks, nxt, last = jax.device_put((toks, nxt, last))
         return eng._timed_first(("eagle-init", self.key, b, t, cache_len), _eagle_init, eng.cfg, eng.kernels,
                                 self.hc, eng.weights, self._params, toks, nxt, first, last, cache_len)
