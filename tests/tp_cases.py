@@ -148,6 +148,33 @@ def test_speculative_with_two_devices_equals_plain_greedy(tiny_weights):
     np.testing.assert_array_equal(greedy_ids(eng, prompts, 10, spec), ref)
 
 
+def test_eagle_head_from_prefill_features_with_two_devices(tiny_weights):
+    """An (untrained) eagle head started from the sharded prefill's hidden states: greedy equals plain greedy, at
+    batch 2 through the loop and in a batch job's admissions."""
+    from lucebox_jax.drafters import EagleDrafter
+    from lucebox_jax.drafters.eagle import EagleConfig, init_head
+    from lucebox_jax.spec_batch import BatchSpec
+
+    prompts = [[5, 6, 7, 8], [40, 41]]
+    ref = greedy_ids(Engine(TINY, tiny_weights, KernelSet.resolve()), prompts, 10)
+    eng = Engine(TINY, tiny_weights, KernelSet.resolve(), tensor_parallel=2)
+    hc = EagleConfig.for_target(TINY)
+    d = EagleDrafter(hc, init_head(hc, jax.random.key(1)), eng)
+    spec = SpeculativeDecoder(eng, d, 3)
+    b, need = len(prompts), max(map(len, prompts)) + 10
+    cache = eng.new_cache(b, spec.cache_len(need))
+    rp = RowParams.from_params([GREEDY] * b)
+    last, _, cache, hidden = eng.prefill(cache, prompts, hidden_layers=d.hidden_layers)
+    first, seen = eng.first_token(last, rp, [len(p) for p in prompts], eng.new_seen(prompts))
+    bufs, count, _ = spec.loop(cache, prompts, first, rp, seen, [set()] * b, np.full((b,), 10, np.int32),
+                               hidden=hidden)
+    np.testing.assert_array_equal(np.asarray(bufs.tokens)[:, :10], ref)
+    reqs = [SlotRequest(i, p, GREEDY, frozenset(), 10) for i, p in enumerate(prompts)]
+    done = generate_ids(eng, reqs, slots=2, max_len=256, steps_per_call=4, spec=BatchSpec(d, 3, max_slots=2,
+                                                                                         warmup=10 ** 6))
+    assert [done[i].token_ids[:10] for i in range(b)] == [list(r) for r in ref]
+
+
 def test_pallas_kernels_run_per_shard_under_shard_map(tiny_weights):
     """Pallas kernels (interpret mode on the CPU) inside shard_map: the attention as `pallas@tp2`, the int4/int8
     matmuls inside each ShardedLinear; tokens equal the one-device xla ones."""
