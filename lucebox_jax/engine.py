@@ -162,6 +162,13 @@ def prefill_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: 
     return (out[0], out[1].replace(lengths=start + n_valid)) + tuple(out[2:])
 
 
+def join_chunks(parts: list):
+    """A prefill's per-chunk arrays [B, T_i, ...] as one [B, sum T_i, ...] (None when there are none)."""
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+
+
 @functools.partial(jax.jit, static_argnames=("n_logprobs",))
 def sample_first(logits, rp: RowParams, positions, seen, n_logprobs: int = 0):
     """Sample the first completion token from prefill logits [B, V]."""
@@ -324,7 +331,7 @@ class Engine:
         if all_logits:
             per_pos = [np.concatenate(x, axis=0) for x in per_pos]
         if hidden_layers:
-            return last, per_pos, cache, hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden, axis=1)
+            return last, per_pos, cache, join_chunks(hidden)
         return last, per_pos, cache
 
     def new_seen(self, prompts: list[list[int]]):

@@ -40,7 +40,7 @@ import numpy as np
 from flax import struct
 
 from . import quant
-from .engine import MIN_CACHE, PREFILL_CHUNK, Engine, bucket, pow2_at_least, prefill_step
+from .engine import MIN_CACHE, PREFILL_CHUNK, Engine, bucket, join_chunks, pow2_at_least, prefill_step
 from .model import KVCache, forward
 from .errors import InvalidRequestError
 from .sampling import RowParams, SamplingParams, is_int, sample
@@ -292,8 +292,7 @@ class Scheduler:
             ends_here = jnp.asarray((n_valid > 0) & (lens <= off + t))[:, None]
             last = logits if last is None else jnp.where(ends_here, logits, last)
             off += t
-        hidden = (hidden[0] if len(hidden) == 1 else jnp.concatenate(hidden, axis=1)) if hidden else None
-        return last, cache.replace(lengths=jnp.asarray(lens)), hidden
+        return last, cache.replace(lengths=jnp.asarray(lens)), join_chunks(hidden)
 
     def _admit_spec(self, prompts, slot_ids, first, hidden=None):
         """The drafter's state of newly prefilled rows into their slots (speculation on for each); hidden: the
