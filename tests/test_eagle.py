@@ -14,7 +14,6 @@ from lucebox_jax.drafters.eagle import EagleConfig, init_head, load_head, save_h
 from lucebox_jax.engine import Engine, enable_compilation_cache
 from lucebox_jax.model import forward, init_cache
 from lucebox_jax.ops import KernelSet
-from lucebox_jax.sampling import RowParams, SamplingParams
 from lucebox_jax.speculative import SpeculativeDecoder
 from lucebox_jax.synthetic import PRESETS, random_weights
 from test_speculative import run, tiny_prompts
@@ -73,16 +72,7 @@ def test_head_starts_from_the_prefills_features(eng, monkeypatch):
     for r, p in enumerate(ps):
         for a, b in ((own.k, fed.k), (own.v, fed.v)):
             assert np.allclose(np.asarray(a[r, :, : len(p)]), np.asarray(b[r, :, : len(p)]), atol=1e-5)
-    ref = run(eng, None, ps, 12)
-    spec = SpeculativeDecoder(eng, d, 3)
-    b = len(ps)
-    cache = eng.new_cache(b, spec.cache_len(max(map(len, ps)) + 12))
-    last, _, cache, hidden = eng.prefill(cache, ps, hidden_layers=d.hidden_layers)
-    rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b)
-    first, seen = eng.first_token(last, rp, [len(p) for p in ps], eng.new_seen(ps))
-    bufs, count, _ = spec.loop(cache, ps, first, rp, seen, set(), np.full(b, 12), hidden=hidden)
-    toks, count = np.asarray(bufs.tokens), np.asarray(count)
-    assert [[int(t) for t in toks[i, : count[i]]] for i in range(b)] == ref
+    assert run(eng, SpeculativeDecoder(eng, d, 3), ps, 12, features=True) == run(eng, None, ps, 12)
 
 
 def test_head_files_round_trip_and_bad_input(eng, tmp_path):

@@ -38,12 +38,13 @@ def tiny_prompts(lengths, seed=0):
     return ps
 
 
-def run(eng, spec, ps, max_new, temp=0.0, seed=0, stop=(), rep=1.0):
-    """Prefill, first token, then the plain loop (spec None) or the speculative loop; -> token lists."""
+def run(eng, spec, ps, max_new, temp=0.0, seed=0, stop=(), rep=1.0, features=False):
+    """Prefill, first token, then the plain loop (spec None) or the speculative loop; -> token lists. features: a
+    draft head starts from the prefill's hidden states (as LLM does) rather than from its own forward."""
     b = len(ps)
     need = max(map(len, ps)) + max_new
     cache = eng.new_cache(b, spec.cache_len(need) if spec else eng.cache_len_for(need))
-    last, _, cache = eng.prefill(cache, ps)
+    last, _, cache, *hidden = eng.prefill(cache, ps, hidden_layers=spec.drafter.hidden_layers if features else None)
     rp = RowParams.from_params([SamplingParams(temperature=temp, seed=seed + i, repetition_penalty=rep)
                                 for i in range(b)])
     seen = eng.new_seen(ps)
@@ -51,7 +52,8 @@ def run(eng, spec, ps, max_new, temp=0.0, seed=0, stop=(), rep=1.0):
     if spec is None:
         bufs, count, _, _ = eng.loop(cache, first, rp, seen, set(stop), np.full(b, max_new))
     else:
-        bufs, count, _ = spec.loop(cache, ps, first, rp, seen, set(stop), np.full(b, max_new))
+        bufs, count, _ = spec.loop(cache, ps, first, rp, seen, set(stop), np.full(b, max_new),
+                                   hidden=hidden[0] if hidden else None)
     toks, count = np.asarray(bufs.tokens), np.asarray(count)
     return [[int(t) for t in toks[i, : count[i]]] for i in range(b)]
 
