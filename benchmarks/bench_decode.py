@@ -107,7 +107,25 @@ def profile_summary(events, steps: int, wall_ms: float | None = None, top: int =
     hi = max(s + d for _, s, d in events)
     return dict(steps=steps, busy_us_per_step=sum(d for *_, d in events) / 1e3 / steps,
                 span_us_per_step=(hi - lo) / 1e3 / steps, wall_us_per_step=None if wall_ms is None else wall_ms * 1e3,
-                launches_per_step=len(events) / steps, kernels=kern, categories=rows(cats))
+                launches_per_step=len(events) / steps, kernels=kern, categories=rows(cats),
+                idle=idle_summary(events, steps))
+
+
+def idle_summary(events, steps: int, min_gap_us: float = 5.0, top: int = 6) -> dict:
+    """Where the GPU waits inside the span: idle time per step in gaps of >= min_gap_us, summed by the kernel that
+    ran before each gap (a host sync or a slow launch shows up after the same kernel every step)."""
+    evs = sorted(events, key=lambda e: e[1])
+    end, prev, total, by = evs[0][1] + evs[0][2], evs[0][0], 0.0, {}
+    for name, st, dur in evs[1:]:
+        gap = (st - end) / 1e3
+        if gap >= min_gap_us:
+            total += gap
+            n, t = by.get(prev, (0, 0.0))
+            by[prev] = (n + 1, t + gap)
+        if st + dur >= end:
+            end, prev = st + dur, name
+    after = [dict(name=k, gaps=n / steps, us=t / steps) for k, (n, t) in sorted(by.items(), key=lambda x: -x[1][1])]
+    return dict(us_per_step=total / steps, min_gap_us=min_gap_us, after=after[:top])
 
 
 def print_profile(p: dict):
@@ -118,6 +136,11 @@ def print_profile(p: dict):
     print(f"  profile per step (us): GPU busy {p['busy_us_per_step']:.1f}  span {p['span_us_per_step']:.1f}{wall}  "
           f"launches {p['launches_per_step']:.1f}")
     busy = max(p["busy_us_per_step"], 1e-9)
+    idle = p.get("idle")
+    if idle:
+        print(f"  idle in gaps >= {idle['min_gap_us']:.0f} us: {idle['us_per_step']:.1f} us/step; after:")
+        for r in idle["after"]:
+            print(f"    {r['name'][:62]:62} {r['gaps']:6.2f} gaps/step {r['us']:8.2f} us/step")
     for title, key in (("kernel", "kernels"), ("category", "categories")):
         print(f"  {title:60} {'n/step':>7} {'us/step':>9} {'%busy':>6}")
         for r in p[key]:
