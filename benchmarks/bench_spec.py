@@ -105,14 +105,14 @@ def bench_embedded(args):
                 pre = llm.last_stats["prefill_seconds"]
                 init = st["init_seconds"] if st else 0.0
                 for key, v in (("prefill", pre), ("init", init), ("loop", llm.last_stats["seconds"] - pre - init),
-                               ("steps", st["target_steps"] if st else n - 1)):
+                               ("steps", st["target_steps"] if st else n - 1), ("prompts", 1)):
                     phases[key] = phases.get(key, 0.0) + v
         return secs, toks, stats
 
     def phase_ms(ph: dict) -> dict:
         """Per prompt: prefill and the head's start in ms; the decode loop in ms a target step (the part a
         speculative step must keep under tokens-per-step plain steps)."""
-        n = len(prompts)
+        n = max(ph["prompts"], 1)  # (prompts x reps)
         return {"prefill_ms": round(1e3 * ph["prefill"] / n, 3), "init_ms": round(1e3 * ph["init"] / n, 3),
                 "loop_ms_per_step": round(1e3 * ph["loop"] / max(ph["steps"], 1), 4)}
 

@@ -9,7 +9,8 @@
    `--unroll` steps: step s feeds the head's own output of step s - 1 back, with the attention mask it will see when
    drafting (keys of true features up to the chain's start, then one key per earlier draft step), as EAGLE-3's
    training-time test does.
-3. A resumable training state (`train_state.msgpack`) is saved every `--save-every` steps and at the end; the head
+3. A resumable training state (`train_state.msgpack`) is saved every `--save-every` steps and at the end, beside
+   the generated tokens (`train_data.npz`, reused by a resumed run with the same data settings); the head
    itself goes to `--out` (eagle.json + head.msgpack) with a held-out figure: mean accepted drafts per step of real
    greedy speculative decoding (K = 4) on prompts never trained on, and whether its output equals plain greedy.
 
@@ -40,6 +41,7 @@ from .quant import dequantize
 from .sampling import RowParams, SamplingParams
 
 STATE_FILE = "train_state.msgpack"
+DATA_FILE = "train_data.npz"  # the target's tokens, kept so a resumed run skips writing them again
 
 
 # ---------------------------------------------------------------------------------------------------- data
@@ -246,6 +248,22 @@ def train(engine: Engine, hc: EagleConfig, feats, toks, mask, *, steps: int, bat
     return head, summary
 
 
+def save_data(path, key: str, toks, mask):
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, toks=toks, mask=mask, key=np.array(key))
+    os.replace(tmp, path)
+
+
+def load_data(path, key: str):
+    """The saved tokens if they were written with the same settings (`key`), else (None, None)."""
+    if not os.path.isfile(path):
+        return None, None
+    with np.load(path) as d:
+        if str(d["key"]) != key:
+            return None, None
+        return d["toks"], d["mask"]
+
+
 def _save_state(path, head, opt_state, step):
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
@@ -391,17 +409,26 @@ def main(argv=None) -> int:
     train_ps, held = build_prompts(tokenizer, args.chat_prompts, args.raw_prompts)
     held = held[: args.holdout]
     t0 = time.perf_counter()
-    with tqdm(total=len(train_ps) * len(temps), desc="target writes data", file=sys.stderr) as bar:
-        toks, mask = generate(engine, train_ps, args.gen_len, args.seq_len, temps, args.gen_batch, args.seed, bar)
+    folder = args.state_dir or args.out
+    os.makedirs(folder, exist_ok=True)
+    data_key = repr((model_name(args.model), len(train_ps), temps, args.gen_len, args.seq_len, args.gen_batch, args.seed,
+                     args.chat_prompts, args.raw_prompts, args.kernels))
+    toks, mask = load_data(os.path.join(folder, DATA_FILE), data_key)
+    if toks is None:
+        with tqdm(total=len(train_ps) * len(temps), desc="target writes data", file=sys.stderr) as bar:
+            toks, mask = generate(engine, train_ps, args.gen_len, args.seq_len, temps, args.gen_batch, args.seed,
+                                  bar)
+        save_data(os.path.join(folder, DATA_FILE), data_key, toks, mask)
+    else:
+        log(f"data: reused from {os.path.join(folder, DATA_FILE)} (same settings)")
     feats = None if args.stream_features else features(
         engine, hc, toks, max(1, min(args.gen_batch, 4096 // bucket(args.seq_len, (16, 64, 256, 1024)))))
     gen_s = time.perf_counter() - t0
     log(f"data: {len(toks)} sequences, {int(mask.sum())} tokens, features "
         f"{'computed per training step' if feats is None else tuple(feats.shape)} in {gen_s:.1f} s")
     os.makedirs(args.out, exist_ok=True)
-    os.makedirs(args.state_dir or args.out, exist_ok=True)
     head, summary = train(engine, hc, feats, toks, mask, steps=args.steps, batch=args.batch, lr=args.lr,
-                          unroll=args.unroll, seed=args.seed, out=args.state_dir or args.out,
+                          unroll=args.unroll, seed=args.seed, out=folder,
                           save_every=args.save_every,
                           time_budget=args.time_budget, log=log)
     del feats

@@ -80,8 +80,10 @@ def test_train_command_tiny_gguf_resumes(tiny_gguf, tmp_path, monkeypatch, capsy
     meta = json.loads((out / "eagle.json").read_text())
     assert meta["training"]["steps"] == 3 and meta["heldout"]["greedy_equal_rows"] == "2/2"
     assert meta["heldout_tree"]["greedy_equal_rows"] == "2/2"
+    assert (out / "train_data.npz").is_file() and "target writes data" in capsys.readouterr().err
     assert main(common + ["--steps", "5", "--stream-features"]) == 0  # (resumed, features per step)
-    assert "resuming" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming" in err and "data: reused" in err and "target writes data" not in err
     assert json.loads((out / "eagle.json").read_text())["training"]["steps"] == 5
     # --eval: the saved head's held-out figure again, on the same held-out prompts, without training
     ev = ["--model", tiny_gguf, "--chat-prompts", "6", "--raw-prompts", "2", "--holdout", "2", "--holdout-tokens", "8"]
