@@ -75,6 +75,32 @@ def test_head_starts_from_the_prefills_features(eng, monkeypatch):
     assert run(eng, SpeculativeDecoder(eng, d, 3), ps, 12, features=True) == run(eng, None, ps, 12)
 
 
+def test_draft_steps_append_through_the_decode_kernel(eng):
+    """With an appending `attention_decode` (pallas, interpreted on the CPU) a draft step writes its K/V and attends
+    in that one kernel: the same drafts, draft distributions and head cache as XLA's cache writes and attention."""
+    from lucebox_jax.drafters.eagle import appending_decode
+    from lucebox_jax.sampling import RowParams, SamplingParams
+
+    ks = KernelSet.resolve("attention_decode=pallas")
+    assert appending_decode(ks) == "pallas" and appending_decode(KS) is None and appending_decode(None) is None
+    hc = EagleConfig.for_target(CFG)
+    head = init_head(hc, jax.random.key(2))
+    ps = tiny_prompts([10, 17, 5], seed=4)
+    first = jnp.asarray([3, 9, 200], jnp.int32)
+    start = jnp.asarray([len(p) for p in ps], jnp.int32)
+    rp = RowParams.from_params([SamplingParams(temperature=0)] * 3)
+    got = []
+    for e in (eng, Engine(CFG, eng.weights, ks)):
+        d = EagleDrafter(hc, head, e)
+        st = d.init_state(ps, 64, first=first)
+        got.append(jax.jit(lambda st, d=d: d.propose(d.params, st, first, first, start, rp, 4))(st))
+    (d0, q0, s0), (d1, q1, s1) = got
+    assert np.array_equal(np.asarray(d0), np.asarray(d1))
+    assert np.allclose(np.asarray(q0), np.asarray(q1), atol=1e-5)
+    for a, b in ((s0.k, s1.k), (s0.v, s1.v)):
+        assert np.allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 def test_head_files_round_trip_and_bad_input(eng, tmp_path):
     hc = EagleConfig.for_target(CFG)
     h = init_head(hc, jax.random.key(2))

@@ -153,14 +153,31 @@ def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None):
     return linear(rms_norm(h, hw.out_norm, hc.rms_eps), lm_head, kernels=kernels).astype(jnp.float32)
 
 
-def _cached_layer(hc, hw, cache, g, emb, start):
-    """The head over T positions start .. start + T - 1 with its KV cache (keys at positions <= each query)."""
+def _cached_layer(hc, hw, cache, g, emb, start, decode_kernel: str | None = None):
+    """The head over T positions start .. start + T - 1 with its KV cache (keys at positions <= each query).
+    decode_kernel: an `attention_decode` implementation that appends (the target's, on the GPU): a draft step (T = 1)
+    writes its K/V and attends in that one kernel, where XLA's cache writes and attention made 7 (3 draft steps of a
+    chain: 21 kernels -> 3)."""
     t = g.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q, k, v = head_qkv(hc, hw, g, emb, positions)
+    scale = 1.0 / math.sqrt(hc.head_dim)
+    if t == 1 and decode_kernel is not None:
+        o, kc, vc = ops.get("attention_decode", decode_kernel)(jnp.concatenate([q, k, v], axis=2)[:, 0], cache[0],
+                                                               cache[1], start + 1, scale=scale, append=True)
+        return head_out(hc, hw, g, o.reshape(*g.shape[:2], hc.q_dim)), (kc, vc)
     kc, vc = _write_kv(cache[0], k, start), _write_kv(cache[1], v, start)
-    o = ops.get("attention_prefill", "xla")(q, kc, vc, start, scale=1.0 / math.sqrt(hc.head_dim))
+    o = ops.get("attention_prefill", "xla")(q, kc, vc, start, scale=scale)
     return head_out(hc, hw, g, o.reshape(*g.shape[:2], hc.q_dim)), (kc, vc)
+
+
+def appending_decode(kernels) -> str | None:
+    """The kernel set's `attention_decode` if it appends a step's K/V itself and runs on whole arrays (not a
+    tensor-parallel wrapper, whose shards are the target's heads), else None."""
+    name = None if kernels is None else kernels.attention_decode
+    if name is None or "@" in name or not ops.accepts("attention_decode", name, "append"):
+        return None
+    return name
 
 
 @struct.dataclass
@@ -243,7 +260,8 @@ class EagleDrafter(Drafter):
         def step(carry, j):
             kc, vc, h, d = carry
             emb = params.embed.lookup(d[:, None], dt)
-            h2, (kc, vc) = _cached_layer(hc, params.head, (kc, vc), h[:, None], emb, start - 1 + j)
+            h2, (kc, vc) = _cached_layer(hc, params.head, (kc, vc), h[:, None], emb, start - 1 + j,
+                                         appending_decode(ks))
             d2, q2 = draw(head_logits(hc, params.head, h2[:, 0], params.lm_head, ks), rp, start + j + 1)
             return (kc, vc, h2[:, 0], d2), (d2, q2)
 
