@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 
 import jax
+import jax.numpy as jnp
 
 from . import kernels_xla, ops, quant
 
@@ -29,7 +30,7 @@ _PALLAS_MAX_M = 64
 try:
     from pallas_kernels.attention_decode import attention_decode_pallas
     from pallas_kernels.attention_prefill import attention_prefill_pallas
-    from pallas_kernels.attention_tree import attention_tree
+    from pallas_kernels.attention_tree import ancestor_words, attention_tree
     from pallas_kernels.int4_matmul import qmatmul_pallas
     from pallas_kernels.int8_matmul import qmatmul8_pallas
     from pallas_kernels.kv_move import kv_move
@@ -72,8 +73,10 @@ else:
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
     def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
-                                   window_rows=0):
+                                   window_rows=0, window_anc=None):
         if not _pow2(q.shape[-1]) or _windowed(k, window):
+            if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
+                return kernels_xla.tree_rows_xla(q, k, v, lengths, window_anc, window_rows, scale=scale)
             if append:  # write first, as the model does for a kernel without `append`
                 hkv, t = k.shape[1], max(window_rows, 1)  # (window_rows: B windows of t rows, rows b * t + j)
                 q, k_new, v_new = q[:, :-2 * hkv], q[:, -2 * hkv:-hkv], q[:, -hkv:]
@@ -81,8 +84,13 @@ else:
                         for c, n in ((k, k_new), (v, v_new)))
             o = kernels_xla.attention_decode_xla(q, k, v, lengths, rows, scale=scale, window=window)
             return (o, k, v) if append else o
-        return attention_decode_pallas(q, k, v, lengths, rows, append=append, window_rows=window_rows, scale=scale,
-                                       interpret=_interpret(), row_invariant=_invariant())
+        win_mask = None
+        if window_anc is not None:  # [B * T, T] -> the kernel's bits, the same for every query head of a row
+            words = ancestor_words(window_anc)
+            win_mask = jnp.broadcast_to(words[:, None], (words.shape[0], q.shape[1] - 2 * k.shape[1],
+                                                          words.shape[1]))
+        return attention_decode_pallas(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
+                                       scale=scale, interpret=_interpret(), row_invariant=_invariant())
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
     def attention_prefill_pallas_op(q, k, v, start, *, scale, window=None):

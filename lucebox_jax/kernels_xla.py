@@ -108,6 +108,22 @@ def attention_decode_xla(q, k, v, lengths, rows=None, *, scale, window: int | No
     return out[:, 0]
 
 
+def tree_rows_xla(q, kc, vc, lengths, window_anc, t: int, *, scale):
+    """A token tree's nodes as decode rows, by XLA (`attention_decode(append=True, window_rows=t, window_anc=)` where
+    its kernel cannot run): q [B * T, Hq + 2 Hkv, hd] (queries, then the nodes' keys and values), lengths [B * T]
+    (start + t + 1: node t's slot, + 1), window_anc [B * T, T] (the nodes each row sees) -> (out [B * T, Hq, hd], kc,
+    vc) with the window written at slots start .. start + T - 1 first."""
+    n, h, hd = q.shape
+    hkv = kc.shape[1]
+    hq, b = h - 2 * hkv, n // t
+    qq = q[:, :hq].reshape(b, t, hq, hd)
+    kw, vw = q[:, hq:hq + hkv].reshape(b, t, hkv, hd), q[:, hq + hkv:].reshape(b, t, hkv, hd)
+    start = lengths[::t] - 1
+    kc, vc = write_kv(kc, kw, start), write_kv(vc, vw, start)
+    o = attention_tree_xla(qq, kc, vc, start, kw, vw, window_anc.reshape(b, t, t), scale=scale)
+    return o.reshape(n, hq, hd), kc, vc
+
+
 @ops.register("attention_tree", "xla", default_on=("cpu", "gpu"))
 def attention_tree_xla(q, kc, vc, n_visible, k_win, v_win, anc, *, scale, positions=None, window=None):
     """Attention of a token tree: q [B, T, Hq, hd] sees cache slots < n_visible[b] of kc/vc [B, Hkv, S, hd] and the

@@ -105,6 +105,9 @@ DEFER_ONE_ROW_NORM = True
 APPEND_KV = True
 # ... and a short verify's window (LUCEBOX_VERIFY_APPEND=0 writes it first: A/B in benchmarks)
 APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
+# ... and a tree of at most VERIFY_AS_DECODE_ROWS nodes, as decode rows with its ancestors as bits
+# (LUCEBOX_TREE_ROWS=0: the tree attention kernel over the window written first)
+TREE_AS_ROWS = os.environ.get("LUCEBOX_TREE_ROWS", "1") != "0"
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16
 
@@ -273,6 +276,11 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
     append_rows = (as_decode and APPEND_VERIFY and not quant.ROW_INVARIANT
                    and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
+    # a short tree the same way: node t a decode row writing its K/V at slot start + t and seeing its ancestors
+    tree_rows_anc = None
+    if (tree is not None and not tree_as_decode and TREE_AS_ROWS and t <= VERIFY_AS_DECODE_ROWS
+            and ops.accepts("attention_decode", kernels.attention_decode, "window_anc")):
+        tree_rows_anc = tree[1].reshape(b * t, t)
     for i, lw in enumerate(w.layers):
         qkv = normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels)
         q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
@@ -293,6 +301,13 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             lens, rows = _decode_rows(positions)
             o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i],
                              cache.v[i], lens, rows, scale=scale, append=True, window_rows=t, **extra)
+            o = o.reshape(b, t, hq, hd)
+        elif tree_rows_anc is not None and window is None:
+            lens = (start[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None, :]).reshape(b * t)
+            o, kc, vc = ops.get("attention_decode", kernels.attention_decode)(
+                jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i], cache.v[i], lens,
+                jnp.repeat(jnp.arange(b, dtype=jnp.int32), t), scale=scale, append=True, window_rows=t,
+                window_anc=tree_rows_anc)
             o = o.reshape(b, t, hq, hd)
         else:
             kc, vc = _write_kv(cache.k[i], k, start), _write_kv(cache.v[i], v, start)

@@ -47,7 +47,8 @@ OP_SIGNATURES = {
         "rows; a kernel without it sends verifies to attention_prefill): query row b reads cache row rows[b]; "
         "optional append=True (q [B, Hq + 2 Hkv, D] also holds the step's own keys and values, which the kernel "
         "writes at lengths[b] - 1, returning (out, k, v)) and, with rows, window_rows=T (the rows are windows of T "
-        "positions, written by the kernel; pallas_kernels/README.md)"
+        "positions, written by the kernel; pallas_kernels/README.md) and window_anc [B, T] bool (the windows are "
+        "token trees: row t sees the window keys j where window_anc[row, j], not 0..t)"
     ),
     "attention_tree": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "

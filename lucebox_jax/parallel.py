@@ -257,20 +257,28 @@ def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):
     q_spec = (P(None, AXIS, None) if decode else P(None, None, AXIS, None)) if heads_split else P()
     kv_spec = P(None, AXIS, None, None) if heads_split else P()
 
-    @functools.wraps(fn)
-    def run(q, k, v, pos, rows=None, *, scale, window=None, append=False):
+    @functools.wraps(fn)  # (its signature is fn's, so the model hands it what fn takes: handle each here)
+    def run(q, k, v, pos, rows=None, *, scale, window=None, append=False, window_rows=0, window_anc=None):
         extra = {} if window is None else {"window": window}
+        if window_rows:  # a verify's windows of decode rows (rows, pos and window_anc: replicated)
+            extra["window_rows"] = window_rows
         body = functools.partial(fn, scale=scale, **extra)
         args = (q, k, v, pos) + (() if rows is None else (rows,))  # rows: a verify's positions (model.forward)
+        anc = {} if window_anc is None else {"window_anc": window_anc}
         if heads_split and k.shape[1] % mesh.size:  # another model's cache (a draft model's): not split by heads
-            return body(*args, **({"append": True} if append else {}))
+            return body(*args, **({"append": True} if append else {}), **anc)
         if append:  # q [B, Hq + 2 Hkv, D]: its three parts split by heads apart, then packed again on each device
             hkv = k.shape[1]
             parts = (q[:, :-2 * hkv], q[:, -2 * hkv:-hkv], q[:, -hkv:])
-            return jax.shard_map(lambda ql, kn, vn, kc, vc, p: body(jnp.concatenate([ql, kn, vn], axis=1), kc, vc, p,
-                                                                    append=True),
-                                 mesh=mesh, in_specs=(q_spec,) * 3 + (kv_spec, kv_spec, P()),
-                                 out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*parts, k, v, pos)
+            more = (() if rows is None else (rows,)) + (() if window_anc is None else (window_anc,))
+
+            def packed(ql, kn, vn, kc, vc, p, *rest):
+                r = rest[0] if rows is not None else None
+                a = {} if window_anc is None else {"window_anc": rest[-1]}
+                return body(jnp.concatenate([ql, kn, vn], axis=1), kc, vc, p, r, append=True, **a)
+
+            return jax.shard_map(packed, mesh=mesh, in_specs=(q_spec,) * 3 + (kv_spec, kv_spec) + (P(),) * (1 + len(more)),
+                                 out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*parts, k, v, pos, *more)
         return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + (P(),) * (len(args) - 3),
                              out_specs=q_spec, check_vma=False)(*args)
 

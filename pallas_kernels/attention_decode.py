@@ -28,6 +28,12 @@ are at or past the window's start, reads before it), so the verify's two cache w
 the softmax runs in another order than attending to a cache written first (not bitwise; the row-invariant mode keeps
 the write-first path).
 
+The same with `win_mask` (a token tree's verify, at most 64 nodes, as B * T decode rows): row r is node t of its
+row's window and attends, besides the cache before the window, to the window keys whose bit is set in its mask (its
+ancestors and itself) instead of keys 0..t. The tree's keys are written where a chain's would be (slot start + t for
+node t; the accepted path is moved into place afterwards), so a tree verify also loses its two cache writes a layer
+and, as decode rows, the transposes of the tiled tree kernel (`attention_tree.py`, for longer trees and contexts).
+
 `row_invariant=True` fixes n_split by the cache shape alone (as for one row) and merges the splits in order, so a
 row's output does not depend on how many rows share the call (lucebox_jax.quant.ROW_INVARIANT).
 """
@@ -66,6 +72,7 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
     if append:  # q_ref [B, Hq + 2 Hkv, D]; the aliased caches are the last two outputs
         *refs, ko_ref, vo_ref = refs
     win_ref, out_refs = (refs[0], refs[1:]) if nw else (None, refs)
+    cache_nw = 0 if win_rows else nw  # window bits over cache slots (a tree's window read from the cache)
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     kb = row_ref[b] if has_rows else b  # the cache row this query row reads
     length = jnp.minimum(len_ref[b], seq)
@@ -74,7 +81,7 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         t = b % win_rows
         wstart = jnp.clip(len_ref[b] - 1 - t, 0, seq - win_rows)  # (clamped as dynamic_update_slice clamps)
         length = jnp.minimum(length, wstart)
-    end = jnp.minimum(start + chunk, jnp.minimum(length + 32 * nw, seq) if nw else length)
+    end = jnp.minimum(start + chunk, jnp.minimum(length + 32 * nw, seq) if cache_nw else length)
     n_blocks = jnp.maximum(end - start + bk - 1, 0) // bk
     rows = jnp.arange(bh)
     rmask = rows < g
@@ -103,7 +110,7 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         if append and not win_rows:
             k = jnp.where((kpos == slot)[:, None], k_new, k)
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [bh, bk], log2 units
-        if nw:
+        if cache_nw:
             rel = jnp.clip(kpos - length, 0, 32 * nw - 1)[None, :]  # the slot's bit in the window
             word = words[0] if nw == 1 else jnp.where(rel < 32, words[0], words[1])
             seen = (kpos < length)[None, :] | (((word >> (rel % 32)) & 1) == 1)  # (rel is 0 before the window)
@@ -114,7 +121,7 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
-        if nw:  # a row may see none of a block's keys (its m still -1e30, so exp2(0) = 1 there)
+        if cache_nw:  # a row may see none of a block's keys (its m still -1e30, so exp2(0) = 1 there)
             p = jnp.where(vis, p, 0.0)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         v = plgpu.load(v_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
@@ -131,12 +138,19 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
             kw = plgpu.load(q_ref.at[b - t + i, pl.ds(hq + h, 1), :]).astype(jnp.float32)  # [1, D]
             vw = plgpu.load(q_ref.at[b - t + i, pl.ds(hq + hkv + h, 1), :]).astype(jnp.float32)
             s = jnp.sum(q.astype(jnp.float32) * kw, axis=1)  # [bh]
+            if nw:  # a tree: key i where the row's bit i is set (i & 31: a scalar % lowers wrongly in Triton)
+                word = words[0] if nw == 1 else jnp.where(i < 32, words[0], words[1])  # [bh, 1]
+                vis = ((word[:, 0] >> (i & 31)) & 1) == 1
+                s = jnp.where(vis, s, _NEG)
             m_new = jnp.maximum(m_i, s)
             alpha = jnp.exp2(m_i - m_new)
             p = jnp.exp2(s - m_new)
+            if nw:  # (a row that has seen nothing yet keeps m = -1e30, where exp2(0) = 1)
+                p = jnp.where(vis, p, 0.0)
             return acc * alpha[:, None] + p[:, None] * vw, m_new, l_i * alpha + p
 
-        acc, m_i, l_i = lax.fori_loop(0, jnp.where(sp == n_split - 1, t + 1, 0), key, (acc, m_i, l_i))
+        n_keys = (t + 1) if not nw else t * 0 + win_rows  # (one integer type for scf.for's bounds)
+        acc, m_i, l_i = lax.fori_loop(0, jnp.where(sp == n_split - 1, n_keys, 0), key, (acc, m_i, l_i))
     if append:
         @pl.when(sp == (n_split - 1 if win_rows else slot // chunk))
         def _():
@@ -198,7 +212,9 @@ def attention_decode(
     combine: how n_split > 1 partials are merged: "xla" (jnp; XLA makes 1-4 small fusions of it, by shape) or
     "kernel" (one Pallas program per row and query head). A row-invariant call always merges in jnp, in split order.
     win_mask [B, Hq, nw] int32 (nw 1 or 2): query row b, head h also sees the cache slots lengths[b] + j, j < 32 nw,
-    whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix.
+    whose bit j is set (bit j % 32 of word j // 32): a token tree's ancestors, written to the cache after the prefix;
+    with append and window_rows = T, the window's keys j < T whose bit is set instead of keys 0..t (a tree's nodes
+    as decode rows, module docstring).
     append=True: q [B, Hq + 2 Hkv, D] also holds the step's own keys and values (heads Hq.., Hq + Hkv..), written at
     slot lengths[b] - 1 (placed as a dynamic-update-slice places it) and attended there; returns (out, k, v), the
     caches updated in place (no win_mask or partials with it). With `rows`, append needs `window_rows` = T: the rows
@@ -222,7 +238,8 @@ def attention_decode(
     lengths = lengths.astype(jnp.int32)
     nw = 0 if win_mask is None else win_mask.shape[-1]
     assert nw in (0, 1, 2), win_mask.shape
-    assert not (append and (nw or partials)), "append is for a decode step or a short verify"
+    assert not (append and (partials or (nw and not window_rows))), "append is for a decode step or a short verify"
+    assert not (nw and window_rows) or window_rows <= 32 * nw, (nw, window_rows)
     assert (append and rows is not None) == (window_rows > 0), "window_rows goes with append and rows"
     assert not window_rows or (bsz % window_rows == 0 and window_rows <= seq), (bsz, window_rows, seq)
     kern = functools.partial(
@@ -303,14 +320,14 @@ def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
     return o.reshape(bsz, hq, d).astype(q.dtype)
 
 
-def attention_decode_pallas(q, k, v, lengths, rows=None, *, scale, append: bool = False, window_rows: int = 0,
-                            interpret: bool | None = None, **overrides):
+def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale, append: bool = False,
+                            window_rows: int = 0, interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1])
     cfg.update(overrides)
-    return attention_decode(q, k, v, lengths, rows, append=append, window_rows=window_rows, scale=float(scale),
-                            interpret=interpret, **cfg)
+    return attention_decode(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
+                            scale=float(scale), interpret=interpret, **cfg)
 
 
 del math

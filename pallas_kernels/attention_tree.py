@@ -23,7 +23,7 @@ from jax import lax
 
 from .attention_decode import attention_decode
 
-__all__ = ["attention_tree", "attention_tree_reference"]
+__all__ = ["attention_tree", "attention_tree_reference", "ancestor_words"]
 
 _LOG2E = 1.4426950408889634
 _NEG = -1e30
@@ -57,10 +57,8 @@ def attention_tree(q, k, v, n_visible, k_win, v_win, anc, *, scale: float, rows_
     lengths = jnp.repeat(n_visible.astype(jnp.int32), c)
     t2 = anc.shape[-1]
     if in_cache and t2 <= 64:
-        nw = -(-t2 // 32)
-        bits = jnp.pad(anc, ((0, 0), (0, 0), (0, 32 * nw - t2))).reshape(b, t, nw, 32).astype(jnp.uint32)
-        words = lax.bitcast_convert_type(jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1,
-                                                 dtype=jnp.uint32), jnp.int32)  # [B, T, nw]
+        words = ancestor_words(anc)  # [B, T, nw]
+        nw = words.shape[-1]
         win = tiles(jnp.broadcast_to(words[:, :, None, None], (b, t, hkv, g, nw)))
         out = attention_decode(qr, k, v, lengths, cache_row, win, scale=scale, interpret=interpret, **cfg)
         return back(out).transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d)
@@ -82,6 +80,17 @@ def attention_tree(q, k, v, n_visible, k_win, v_win, anc, *, scale: float, rows_
     a1, a2 = jnp.exp2(m - mm), jnp.exp2(m2 - mm)  # a1 = 0 where the prefix is empty (m = -1e30)
     out = (acc * a1[..., None] + acc2 * a2[..., None]) / (l * a1 + jnp.sum(p2, axis=-1) * a2)[..., None]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, hq, d).astype(q.dtype)
+
+
+def ancestor_words(anc):
+    """anc [..., T2] bool (T2 <= 64) -> [..., nw] int32, nw = ceil(T2 / 32): bit j % 32 of word j // 32 is anc[j]
+    (the flash-decoding kernel's `win_mask`)."""
+    t2 = anc.shape[-1]
+    nw = -(-t2 // 32)
+    pad = [(0, 0)] * (anc.ndim - 1) + [(0, 32 * nw - t2)]
+    bits = jnp.pad(anc, pad).reshape(*anc.shape[:-1], nw, 32).astype(jnp.uint32)
+    return lax.bitcast_convert_type(jnp.sum(bits << jnp.arange(32, dtype=jnp.uint32), axis=-1, dtype=jnp.uint32),
+                                    jnp.int32)
 
 
 def attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, *, scale: float):

@@ -415,6 +415,45 @@ def test_attention_tree_reads_its_window_from_the_cache(b, t, hq, hkv, s, d, vis
     assert rel(wrong, want) > 10 * TOL[dt]
 
 
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,vis,dt,kw", [
+    (1, 9, 8, 2, 96, 64, [37], jnp.float32, dict(block_k=32)),
+    (2, 16, 9, 3, 128, 64, [0, 71], jnp.bfloat16, dict(block_k=32)),  # SmolLM2 heads, a tree of 15 and its root
+    (2, 5, 4, 4, 64, 32, [40, 1], jnp.float32, dict(block_k=16, n_split=4)),  # splits
+    (1, 40, 9, 3, 128, 64, [50], jnp.bfloat16, dict(block_k=32)),  # past 32 nodes: two mask words
+])
+def test_tree_nodes_as_decode_rows(b, t, hq, hkv, s, d, vis, dt, kw):
+    """A tree's nodes as B * T decode rows (`append`, `window_rows`, the ancestors as `win_mask` bits): each row
+    reads the cache before the window and the window's keys from q where its bits allow, and writes its own key and
+    value at slot start + t: the tree attention's output, and the caches of writing the window first, exactly."""
+    from pallas_kernels.attention_tree import ancestor_words
+
+    q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, dt, t + s + 3)
+    n_visible, scale = jnp.asarray(vis, jnp.int32), d**-0.5
+    qkv = jnp.concatenate([q, k_win, v_win], axis=2).reshape(b * t, hq + 2 * hkv, d)
+    lens = (n_visible[:, None] + jnp.arange(1, t + 1)[None]).reshape(b * t)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    words = ancestor_words(anc.reshape(b * t, t))
+    assert bool(((words[:, 0] >> 3) & 1).astype(bool).reshape(b, t)[0, 3])  # (a node sees itself: bit t of row t)
+    win = jnp.broadcast_to(words[:, None], (b * t, hq, words.shape[-1]))
+    y, ko, vo = attention_decode(qkv, k, v, lens, rows, win, scale=scale, append=True, window_rows=t, interpret=True,
+                                 **kw)
+    want = attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, scale=scale)
+    assert rel(y.reshape(b, t, hq, d), want) < TOL[dt]
+    kc, vc = k, v
+    for r, n in enumerate(vis):
+        kc = kc.at[r, :, n:n + t].set(k_win[r].swapaxes(0, 1))
+        vc = vc.at[r, :, n:n + t].set(v_win[r].swapaxes(0, 1))
+    assert np.array_equal(np.asarray(ko), np.asarray(kc)) and np.array_equal(np.asarray(vo), np.asarray(vc))
+    # the registered op (bits made from the bool ancestors) and its XLA twin for the shapes the kernel cannot take
+    op = ops.get("attention_decode", "pallas")(qkv, k, v, lens, rows, scale=scale, append=True, window_rows=t,
+                                              window_anc=anc.reshape(b * t, t))
+    twin = kernels_xla.tree_rows_xla(qkv, k, v, lens, anc.reshape(b * t, t), t, scale=scale)
+    for got in (op, twin):
+        assert rel(got[0].reshape(b, t, hq, d), want) < TOL[dt]
+        assert np.array_equal(np.asarray(got[1]), np.asarray(kc)) and np.array_equal(np.asarray(got[2]),
+                                                                                   np.asarray(vc))
+
+
 def test_attention_tree_registered():
     q, k, v, k_win, v_win, anc = _tree_inputs(2, 6, 9, 3, 40, 64, jnp.float32, 13)
     vis = jnp.asarray([40, 9], jnp.int32)
@@ -634,6 +673,24 @@ def test_gpu_attention_tree(t, hq, hkv, d, in_cache):
         vc = vc.at[r, :, n:n + t].set(v_win[r].swapaxes(0, 1))
     y = jax.jit(lambda *a: attention_tree(*a, scale=d**-0.5, in_cache=in_cache))(q, kc, vc, vis, k_win, v_win, anc)
     assert rel(y, attention_tree_reference(q, k, v, vis, k_win, v_win, anc, scale=d**-0.5)) < TOL[jnp.bfloat16]
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t,hq,hkv,d", [(16, 9, 3, 64), (16, 32, 8, 128), (9, 32, 8, 128)])
+def test_gpu_tree_nodes_as_decode_rows(t, hq, hkv, d):
+    """A short tree's nodes as decode rows compiled: ancestors as bits, each row writing its own key and value."""
+    b, s = 2, 1024
+    q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, jnp.bfloat16, t + hq + 1)
+    vis = jnp.asarray([5, 900], jnp.int32)
+    qkv = jnp.concatenate([q, k_win, v_win], axis=2).reshape(b * t, hq + 2 * hkv, d)
+    lens = (vis[:, None] + jnp.arange(1, t + 1)[None]).reshape(b * t)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    y, ko, _ = jax.jit(lambda *a: ops.get("attention_decode", "pallas")(
+        *a, scale=d**-0.5, append=True, window_rows=t, window_anc=anc.reshape(b * t, t)))(qkv, k, v, lens, rows)
+    want = attention_tree_reference(q, k, v, vis, k_win, v_win, anc, scale=d**-0.5)
+    assert rel(y.reshape(b, t, hq, d), want) < TOL[jnp.bfloat16]
+    assert np.array_equal(np.asarray(ko[1, :, 900:900 + t]), np.asarray(k_win[1].swapaxes(0, 1)))
 
 
 # ------------------------------------------------------------------------------------------------ end to end

@@ -237,7 +237,8 @@ def test_greedy_walk_equals_the_full_walk():
 
 def test_tree_verify_through_the_pallas_tree_kernel(eng):
     """The tree forward with `attention_tree=pallas` (the committed cache through the flash-decoding kernel,
-    interpreted here) gives the logits and cache of the XLA einsum path: batch 2, ragged prefixes, a 7-node tree."""
+    interpreted here), and with `attention_decode=pallas` as well (the nodes as decode rows that write the window),
+    gives the logits and cache of the XLA einsum path: batch 2, ragged prefixes, a 7-node tree."""
     from lucebox_jax.model import forward, init_cache
 
     parent = jnp.asarray([[0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 5]], jnp.int32)  # a bushy tree and a chain
@@ -252,10 +253,13 @@ def test_tree_verify_through_the_pallas_tree_kernel(eng):
     from lucebox_jax import ops
 
     assert ops.accepts("attention_tree", "pallas", "in_cache")  # the model hands it the window in the cache
-    got, cg = forward(CFG, KernelSet(attention_tree="pallas"), eng.weights, cache, toks, start, tree=(depth, anc))
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
-    for a, b in zip(cw.k + cw.v, cg.k + cg.v):  # (layers past the first hold keys made from its attention output)
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-4)
+    # ... and with the Pallas decode kernel, a tree this short runs as decode rows that write the window themselves
+    assert ops.accepts("attention_decode", "pallas", "window_anc")
+    for ks in (KernelSet(attention_tree="pallas"), KernelSet(attention_tree="pallas", attention_decode="pallas")):
+        got, cg = forward(CFG, ks, eng.weights, cache, toks, start, tree=(depth, anc))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+        for a, b in zip(cw.k + cw.v, cg.k + cg.v):  # (layers past the first hold keys made from its attention output)
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-4, atol=2e-4)
     plain, _ = forward(CFG, KernelSet(), eng.weights, cache, toks, start)  # the mask matters: a chain is not a tree
     assert not np.allclose(np.asarray(plain[0]), np.asarray(want[0]), atol=1e-3)
 

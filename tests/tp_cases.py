@@ -223,6 +223,31 @@ def test_pallas_tree_attention_runs_per_shard(tiny_weights):
     np.testing.assert_allclose(out[1], out[0], rtol=2e-4, atol=2e-4)
 
 
+def test_pallas_decode_verify_and_tree_rows_run_per_shard(tiny_weights):
+    """With `attention_decode=pallas` at tensor_parallel=2 a chain verify (decode rows writing their window) and a
+    short tree (decode rows with their ancestors' bits) run per shard and give the one-device XLA logits and cache."""
+    from lucebox_jax.model import forward
+    from lucebox_jax.tree import ancestors
+
+    fwd = jax.jit(forward, static_argnums=(0, 1), static_argnames=("verify",))
+    parent = jnp.asarray([[0, 0, 1, 1, 2], [0, 1, 2, 3, 4]], jnp.int32)
+    anc = ancestors(parent, 5)
+    depth = jnp.sum(anc, axis=-1).astype(jnp.int32) - 1
+    prompt = jnp.asarray([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45]], jnp.int32)
+    toks = jnp.asarray([[11, 12, 13, 14, 15, 16], [46, 47, 48, 49, 50, 51]], jnp.int32)
+    start = jnp.asarray([6, 4], jnp.int32)
+    out = []
+    for eng in (Engine(TINY, tiny_weights, KernelSet.resolve()),
+                Engine(TINY, tiny_weights, KernelSet.resolve("attention_decode=pallas"), tensor_parallel=2)):
+        _, cache = fwd(TINY, eng.kernels, eng.weights, eng.new_cache(2, 64), prompt, jnp.zeros((2,), jnp.int32))
+        chain, cc = fwd(TINY, eng.kernels, eng.weights, cache, toks, start, verify=True)
+        tree, tc = fwd(TINY, eng.kernels, eng.weights, cache, toks, start, tree=(depth, anc))
+        out.append([np.asarray(x) for x in (chain, tree, cc.k[1], tc.v[1])])
+    assert eng.kernels.attention_decode == "pallas@tp2"
+    for got, want in zip(out[1], out[0]):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
 def test_pallas_kv_move_runs_per_shard(tiny_weights):
     """`kv_move=pallas` at tensor_parallel=2 (as `pallas@tp2`: each device moves its own KV heads) moves a tree's
     path as the one-device XLA move does, bit for bit, on a cache split by heads."""
