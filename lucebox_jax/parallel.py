@@ -277,8 +277,9 @@ def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):
                 a = {} if window_anc is None else {"window_anc": rest[-1]}
                 return body(jnp.concatenate([ql, kn, vn], axis=1), kc, vc, p, r, append=True, **a)
 
-            return jax.shard_map(packed, mesh=mesh, in_specs=(q_spec,) * 3 + (kv_spec, kv_spec) + (P(),) * (1 + len(more)),
-                                 out_specs=(q_spec, kv_spec, kv_spec), check_vma=False)(*parts, k, v, pos, *more)
+            specs = (q_spec,) * 3 + (kv_spec, kv_spec) + (P(),) * (1 + len(more))
+            return jax.shard_map(packed, mesh=mesh, in_specs=specs, out_specs=(q_spec, kv_spec, kv_spec),
+                                 check_vma=False)(*parts, k, v, pos, *more)
         return jax.shard_map(body, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec) + (P(),) * (len(args) - 3),
                              out_specs=q_spec, check_vma=False)(*args)
 

@@ -411,8 +411,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     folder = args.state_dir or args.out
     os.makedirs(folder, exist_ok=True)
-    data_key = repr((model_name(args.model), len(train_ps), temps, args.gen_len, args.seq_len, args.gen_batch, args.seed,
-                     args.chat_prompts, args.raw_prompts, args.kernels))
+    data_key = repr((model_name(args.model), len(train_ps), temps, args.gen_len, args.seq_len, args.gen_batch,
+                     args.seed, args.chat_prompts, args.raw_prompts, args.kernels))
     toks, mask = load_data(os.path.join(folder, DATA_FILE), data_key)
     if toks is None:
         with tqdm(total=len(train_ps) * len(temps), desc="target writes data", file=sys.stderr) as bar:

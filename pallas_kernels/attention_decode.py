@@ -217,7 +217,8 @@ def attention_decode(
     as decode rows, module docstring).
     append=True: q [B, Hq + 2 Hkv, D] also holds the step's own keys and values (heads Hq.., Hq + Hkv..), written at
     slot lengths[b] - 1 (placed as a dynamic-update-slice places it) and attended there; returns (out, k, v), the
-    caches updated in place (no win_mask or partials with it). With `rows`, append needs `window_rows` = T: the rows
+    caches updated in place (no partials with it, and win_mask only with window_rows). With `rows`, append needs
+    `window_rows` = T: the rows
     are B windows of T consecutive positions (module docstring), each row's key and value written at lengths - 1."""
     _, hkv, seq, _ = k.shape
     bsz, hq, d = q.shape

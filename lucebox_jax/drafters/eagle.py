@@ -156,8 +156,8 @@ def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None):
 def _cached_layer(hc, hw, cache, g, emb, start, decode_kernel: str | None = None):
     """The head over T positions start .. start + T - 1 with its KV cache (keys at positions <= each query).
     decode_kernel: an `attention_decode` implementation that appends (the target's, on the GPU): a draft step (T = 1)
-    writes its K/V and attends in that one kernel, where XLA's cache writes and attention made 7 (3 draft steps of a
-    chain: 21 kernels -> 3)."""
+    writes its K/V and attends in that kernel, where XLA's cache writes and attention made 7 kernels (a chain step at
+    K = 4: 456 -> 444)."""
     t = g.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q, k, v = head_qkv(hc, hw, g, emb, positions)
