@@ -297,17 +297,15 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2)[:, 0], cache.k[i], cache.v[i], start + 1,
                              scale=scale, append=True, **extra)
             o = o[:, None]
-        elif append_rows:  # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window
-            lens, rows = _decode_rows(positions)
-            o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i],
-                             cache.v[i], lens, rows, scale=scale, append=True, window_rows=t, **extra)
-            o = o.reshape(b, t, hq, hd)
-        elif tree_rows_anc is not None and window is None:
-            lens = (start[:, None] + jnp.arange(1, t + 1, dtype=jnp.int32)[None, :]).reshape(b * t)
+        elif append_rows or (tree_rows_anc is not None and window is None):
+            # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window; a tree's node t sits at
+            # slot start + t (its position is its depth's) and sees the window keys of its ancestors
+            slots = positions if tree is None else start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+            lens, rows = _decode_rows(slots)
+            anc = {} if tree is None else {"window_anc": tree_rows_anc}
             o, kc, vc = ops.get("attention_decode", kernels.attention_decode)(
                 jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i], cache.v[i], lens,
-                jnp.repeat(jnp.arange(b, dtype=jnp.int32), t), scale=scale, append=True, window_rows=t,
-                window_anc=tree_rows_anc)
+                rows, scale=scale, append=True, window_rows=t, **extra, **anc)
             o = o.reshape(b, t, hq, hd)
         else:
             kc, vc = _write_kv(cache.k[i], k, start), _write_kv(cache.v[i], v, start)
