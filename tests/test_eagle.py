@@ -77,7 +77,8 @@ def test_head_starts_from_the_prefills_features(eng, monkeypatch):
 
 def test_draft_steps_append_through_the_decode_kernel(eng):
     """With an appending `attention_decode` (pallas, interpreted on the CPU) a draft step writes its K/V and attends
-    in that one kernel: the same drafts, draft distributions and head cache as XLA's cache writes and attention."""
+    in that one kernel, and the catch-up on a verify's features runs as decode rows writing their window: the same
+    drafts, draft distributions, head cache and hidden state as XLA's cache writes and attention."""
     from lucebox_jax.drafters.eagle import appending_decode
     from lucebox_jax.sampling import RowParams, SamplingParams
 
@@ -93,11 +94,16 @@ def test_draft_steps_append_through_the_decode_kernel(eng):
     for e in (eng, Engine(CFG, eng.weights, ks)):
         d = EagleDrafter(hc, head, e)
         st = d.init_state(ps, 64, first=first)
-        got.append(jax.jit(lambda st, d=d: d.propose(d.params, st, first, first, start, rp, 4))(st))
-    (d0, q0, s0), (d1, q1, s1) = got
+        drafts, q, st2 = jax.jit(lambda st, d=d: d.propose(d.params, st, first, first, start, rp, 4))(st)
+        hidden = jax.random.normal(jax.random.key(9), (3, 5, len(d.hidden_layers) * CFG.dim), jnp.float32)
+        toks = jnp.concatenate([first[:, None], drafts], axis=1)
+        n = jnp.asarray([0, 2, 4], jnp.int32)
+        caught = jax.jit(lambda st, d=d: d.absorb(d.params, st, hidden, toks, n, start))(st2)
+        got.append((drafts, q, st2, caught))
+    (d0, q0, s0, c0), (d1, q1, s1, c1) = got
     assert np.array_equal(np.asarray(d0), np.asarray(d1))
     assert np.allclose(np.asarray(q0), np.asarray(q1), atol=1e-5)
-    for a, b in ((s0.k, s1.k), (s0.v, s1.v)):
+    for a, b in ((s0.k, s1.k), (s0.v, s1.v), (c0.k, c1.k), (c0.v, c1.v), (c0.h_last, c1.h_last)):
         assert np.allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 

@@ -30,7 +30,7 @@ from flax import serialization, struct
 
 from .. import ops
 from ..engine import Engine, pow2_at_least
-from ..model import EmbedTable, _write_kv, forward, init_cache, rms_norm, rope
+from ..model import VERIFY_AS_DECODE_ROWS, EmbedTable, _decode_rows, _write_kv, forward, init_cache, rms_norm, rope
 from ..quant import linear
 from ..sampling import top_k_wide
 from .base import DraftError, Drafter, register
@@ -156,15 +156,24 @@ def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None):
 def _cached_layer(hc, hw, cache, g, emb, start, decode_kernel: str | None = None):
     """The head over T positions start .. start + T - 1 with its KV cache (keys at positions <= each query).
     decode_kernel: an `attention_decode` implementation that appends (the target's, on the GPU): a draft step (T = 1)
-    writes its K/V and attends in that kernel, where XLA's cache writes and attention made 7 kernels (a chain step at
-    K = 4: 456 -> 444)."""
+    writes its K/V and attends in that kernel, and a verify's catch-up (T <= 16) as the target's verify does, decode
+    rows writing their window, where XLA's cache writes and attention made 7 kernels each (a chain step at K = 4:
+    456 -> 444 for the draft steps)."""
     t = g.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q, k, v = head_qkv(hc, hw, g, emb, positions)
     scale = 1.0 / math.sqrt(hc.head_dim)
-    if t == 1 and decode_kernel is not None:
-        o, kc, vc = ops.get("attention_decode", decode_kernel)(jnp.concatenate([q, k, v], axis=2)[:, 0], cache[0],
-                                                               cache[1], start + 1, scale=scale, append=True)
+    rows_ok = t == 1 or (t <= VERIFY_AS_DECODE_ROWS and decode_kernel is not None
+                         and ops.accepts("attention_decode", decode_kernel, "window_rows"))
+    if decode_kernel is not None and rows_ok:
+        attend = ops.get("attention_decode", decode_kernel)
+        qkv = jnp.concatenate([q, k, v], axis=2)
+        if t == 1:
+            o, kc, vc = attend(qkv[:, 0], cache[0], cache[1], start + 1, scale=scale, append=True)
+        else:
+            lens, rows = _decode_rows(positions)
+            o, kc, vc = attend(qkv.reshape(-1, *qkv.shape[2:]), cache[0], cache[1], lens, rows, scale=scale,
+                               append=True, window_rows=t)
         return head_out(hc, hw, g, o.reshape(*g.shape[:2], hc.q_dim)), (kc, vc)
     kc, vc = _write_kv(cache[0], k, start), _write_kv(cache[1], v, start)
     o = ops.get("attention_prefill", "xla")(q, kc, vc, start, scale=scale)
@@ -246,7 +255,8 @@ class EagleDrafter(Drafter):
         hc = self.hc
         g = fuse_features(hc, params.head, hidden.astype(jnp.dtype(hc.dtype)))
         emb = params.embed.lookup(jnp.maximum(tokens, 0), jnp.dtype(hc.dtype))
-        h, (kc, vc) = _cached_layer(hc, params.head, (state.k, state.v), g, emb, start)
+        h, (kc, vc) = _cached_layer(hc, params.head, (state.k, state.v), g, emb, start,
+                                    appending_decode(self.target.kernels))
         h_last = jnp.take_along_axis(h, n[:, None, None], axis=1)[:, 0]
         return EagleState(kc, vc, h_last)
 
