@@ -156,16 +156,15 @@ def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None):
 def _cached_layer(hc, hw, cache, g, emb, start, decode_kernel: str | None = None):
     """The head over T positions start .. start + T - 1 with its KV cache (keys at positions <= each query).
     decode_kernel: an `attention_decode` implementation that appends (the target's, on the GPU): a draft step (T = 1)
-    writes its K/V and attends in that kernel, and a verify's catch-up (T <= 16) as the target's verify does, decode
-    rows writing their window, where XLA's cache writes and attention made 7 kernels each (a chain step at K = 4:
-    456 -> 444 for the draft steps)."""
+    writes its K/V and attends in that kernel, and a verify's catch-up (T <= 16) runs as the target's verify does, as
+    decode rows writing their window; XLA's cache writes and attention made 7 kernels each (a chain step at K = 4:
+    456 -> 438 kernels)."""
     t = g.shape[1]
     positions = start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     q, k, v = head_qkv(hc, hw, g, emb, positions)
     scale = 1.0 / math.sqrt(hc.head_dim)
-    rows_ok = t == 1 or (t <= VERIFY_AS_DECODE_ROWS and decode_kernel is not None
-                         and ops.accepts("attention_decode", decode_kernel, "window_rows"))
-    if decode_kernel is not None and rows_ok:
+    if decode_kernel is not None and (t == 1 or (t <= VERIFY_AS_DECODE_ROWS and ops.accepts(
+            "attention_decode", decode_kernel, "window_rows"))):
         attend = ops.get("attention_decode", decode_kernel)
         qkv = jnp.concatenate([q, k, v], axis=2)
         if t == 1:
