@@ -6,7 +6,7 @@
 # Usage on the device (repo root):  bash benchmarks/gpu_spec_serve.sh      (results under $OUT, logs.tgz)
 # TRAIN/ROW_INV/SPEC/SERVE/MGPU_EQ=0 skip a part (RI_TESTS=0 the row-invariance pytest alone); SPEC_EQ=1 adds
 # check_spec_equal.py under the mode; RI_LEVELS ("0 1") the LUCEBOX_ROW_INVARIANT values of the batch job; TRAIN_SECONDS, TRAIN_ARGS, SPEC_SECONDS, DRAFTERS, SERVE_SECONDS, SERVE_ARGS (e.g. --exit-on-finish), CLIENTS,
-# TREES (bench_spec --tree sizes, default 15@5,15@5/8,15@6/6,32: N@K/beam), EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
+# BATCH_SECONDS (the 8-slot job's budget, default 120), TREES (bench_spec --tree sizes, default 15@5,15@5/8,15@6/6,32: N@K/beam), EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
 # (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py; SPEC_FLAG_AB='f1;f2' times the
 # eagle chain under no XLA_FLAGS and under each setting given; SPEC_ENV_AB='A=1;A=0' the same under each set of
 # environment assignments.
@@ -39,8 +39,8 @@ if [ "${ROW_INV:-1}" = 1 ]; then
     tail -3 "$OUT/ri_tests.log"
   fi
   for ri in ${RI_LEVELS-0 1}; do  # (RI_LEVELS="" runs none)
-    LUCEBOX_ROW_INVARIANT=$ri timeout 200 python3 benchmarks/bench_spec_batch.py --model "$M" --slots 8 \
-      --drafters eagle --always --budget 120 ${BATCH_ARGS:-} > "$OUT/spec_batch_ri$ri.log" 2>&1
+    LUCEBOX_ROW_INVARIANT=$ri timeout $(( ${BATCH_SECONDS:-120} + 80 )) python3 benchmarks/bench_spec_batch.py \
+      --model "$M" --slots 8 --drafters eagle --always --budget "${BATCH_SECONDS:-120}" ${BATCH_ARGS:-} > "$OUT/spec_batch_ri$ri.log" 2>&1
     mv "$OUT/bench_spec_batch.json" "$OUT/spec_batch_ri$ri.json" 2>/dev/null; grep -E "^\| 8 " "$OUT/spec_batch_ri$ri.log"
   done
 fi

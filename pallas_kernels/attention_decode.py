@@ -188,8 +188,24 @@ def default_config(b: int, hkv: int, s: int, d: int) -> dict:
     tok/s with it against 394 with XLA's 2-4 fusions a call (2026-12-05); LUCEBOX_ATTN_COMBINE=xla restores those."""
     combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "kernel")
     if s >= 16384:
-        return dict(block_k=128, n_split=None, num_warps=8, num_stages=3, combine=combine)
-    return dict(block_k=64, n_split=None, num_warps=4, num_stages=3, combine=combine)
+        cfg = dict(block_k=128, n_split=None, num_warps=8, num_stages=3, combine=combine)
+    else:
+        cfg = dict(block_k=64, n_split=None, num_warps=4, num_stages=3, combine=combine)
+    return {**cfg, **env_overrides()}
+
+
+def env_overrides() -> dict:
+    """LUCEBOX_ATTN_DECODE="n_split=1,block_k=128" (integer knobs, for A/B runs): e.g. one split, so no merge
+    kernel, where a small model's short cache makes the split's second kernel cost more than it saves."""
+    spec = os.environ.get("LUCEBOX_ATTN_DECODE", "").strip()
+    out = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        key, _, val = item.partition("=")
+        if key not in ("n_split", "block_k", "num_warps", "num_stages", "min_programs") or not val.isdigit():
+            raise ValueError(f"LUCEBOX_ATTN_DECODE: {item!r} is not one of n_split, block_k, num_warps, num_stages, "
+                             "min_programs = a positive integer")
+        out[key] = int(val)
+    return out
 
 
 @functools.partial(

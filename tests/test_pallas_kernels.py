@@ -203,6 +203,7 @@ APPEND_CASES = [  # B, Hq, Hkv, S, D, lengths (the new slot is lengths - 1), kno
     (3, 8, 2, 128, 32, [1, 64, 130], {}),  # slot 0; a split boundary; past the cache (clamped as a DUS clamps)
     (2, 4, 4, 512, 64, [300, 512], dict(n_split=4, combine="kernel")),  # 4 splits merged by the kernel
     (2, 4, 2, 64, 16, [0, -3], {}),  # starts below 0 (a DUS counts them from the end)
+    (1, 9, 3, 512, 64, [300], dict(n_split=1, block_k=128)),  # one split of 128-key tiles
 ]
 
 
@@ -243,6 +244,7 @@ WINDOW_CASES = [  # B, T, Hq, Hkv, S, D, window starts, knobs
     (2, 3, 8, 2, 128, 32, [0, 62], {}),  # a window from slot 0; one across a 64-key tile
     (2, 4, 4, 4, 512, 64, [300, 508], dict(n_split=4, combine="kernel")),  # 4 splits; the window ends the cache
     (3, 2, 4, 2, 64, 16, [5, 20, 63], {}),  # past the cache: placed as a dynamic-update-slice clamps T rows
+    (1, 5, 9, 3, 256, 64, [100], dict(n_split=1, block_k=128)),  # one split (LUCEBOX_ATTN_DECODE's A/B knob)
 ]
 
 
@@ -731,3 +733,15 @@ def test_gpu_gguf_formats(int8, g, asym, m):
         op = "qmatmul"
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     assert rel(ops.get(op, "pallas")(x, w), ops.get(op, "xla")(x.astype(jnp.float32), w)) < TOL[jnp.bfloat16]
+
+
+def test_attention_decode_env_overrides(monkeypatch):
+    """LUCEBOX_ATTN_DECODE sets the kernel's integer knobs for A/B runs; anything else is refused by name."""
+    from pallas_kernels.attention_decode import default_config
+
+    monkeypatch.setenv("LUCEBOX_ATTN_DECODE", "n_split=1, block_k=128")
+    cfg = default_config(1, 3, 256, 64)
+    assert (cfg["n_split"], cfg["block_k"], cfg["num_warps"]) == (1, 128, 4)
+    monkeypatch.setenv("LUCEBOX_ATTN_DECODE", "splits=2")
+    with pytest.raises(ValueError, match="n_split, block_k"):
+        default_config(1, 3, 256, 64)

@@ -101,6 +101,24 @@ class HeadWeights:
     out_norm: jax.Array  # [D] before the target's LM head
 
 
+@struct.dataclass
+class OutIn:
+    """A head matrix stored [N, K] (out, in) for inference. A one-row product x [1, K] @ w [K, N] is a column
+    reduction to XLA's GPU compiler: it wrote the float32 product [K, N] in one kernel and reduced it in a second
+    (qkv, o and down; 4 bytes a weight each way); over [N, K] it is one fused row reduction."""
+
+    t: jax.Array
+
+
+_MATRICES = ("fc", "wqkv", "wo", "w_gate_up", "w_down")
+
+
+def for_inference(head: HeadWeights, dtype) -> HeadWeights:
+    """The head in `dtype` with its matrices as `OutIn` (the drafter's layout; training keeps [K, N] arrays)."""
+    head = jax.tree.map(lambda a: jnp.asarray(a, dtype), head)
+    return head.replace(**{f: OutIn(getattr(head, f).T) for f in _MATRICES})
+
+
 def init_head(hc: EagleConfig, key) -> HeadWeights:
     """Random head (std 1/sqrt(fan_in); output projections scaled down so a fresh head starts near its input)."""
     d, nf = hc.dim, len(hc.feature_layers)
@@ -119,11 +137,13 @@ def fuse_features(hc: EagleConfig, hw: HeadWeights, feats):
     d = hc.dim
     parts = [rms_norm(feats[..., i * d:(i + 1) * d], jnp.ones((d,), jnp.float32), hc.rms_eps)
              for i in range(len(hc.feature_layers))]
-    x = jnp.concatenate(parts, axis=-1)
-    return jnp.dot(x, hw.fc.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
+    return _mm(jnp.concatenate(parts, axis=-1), hw.fc)
 
 
 def _mm(x, w):
+    """x [..., K] @ w (an [K, N] array, or `OutIn`) -> [..., N] in x's dtype (float32 accumulation)."""
+    if isinstance(w, OutIn):
+        return jnp.einsum("...k,nk->...n", x, w.t.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -218,7 +238,7 @@ class EagleDrafter(Drafter):
         self.hidden_layers = self.hc.feature_layers
         self.key = ("eagle", self.hc, cfg, engine.kernels)
         dt = jnp.dtype(cfg.dtype)
-        self._params = EagleParams(jax.tree.map(lambda a: jnp.asarray(a, dt), head), engine.weights.embed,
+        self._params = EagleParams(for_inference(head, dt), engine.weights.embed,
                                    engine.weights.head)
         self.cost_ratio = 0.1  # one layer + the LM head of a 30-layer target (adaptive K only)
 
