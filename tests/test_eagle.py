@@ -107,6 +107,33 @@ def test_draft_steps_append_through_the_decode_kernel(eng):
         assert np.allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+def test_inference_layout_matches_the_training_layout():
+    """The drafter holds the head's matrices [N, K] (`for_inference`, so a one-row product is one fused reduction on
+    the GPU); the layer then computes what training's [K, N] arrays compute, for one row and for several."""
+    from lucebox_jax.drafters.eagle import OutIn, _cached_layer, for_inference, fuse_features
+
+    hc = EagleConfig.for_target(CFG)
+    head = init_head(hc, jax.random.key(5))
+    head = head.replace(wo=head.wo * 5.0, w_down=head.w_down * 5.0)  # (init scales them down: make them count)
+    inf = for_inference(head, jnp.float32)
+    assert isinstance(inf.wo, OutIn) and inf.wo.t.shape == head.wo.shape[::-1] and inf.ffn_norm.shape == (hc.dim,)
+    rng = np.random.default_rng(1)
+    for t in (1, 3):
+        feats = jnp.asarray(rng.standard_normal((2, t, len(hc.feature_layers) * hc.dim)), jnp.float32)
+        emb = jnp.asarray(rng.standard_normal((2, t, hc.dim)), jnp.float32)
+        cache = tuple(jnp.asarray(rng.standard_normal((2, hc.n_kv_heads, 16, hc.head_dim)), jnp.float32)
+                      for _ in range(2))
+        start = jnp.asarray([4, 9], jnp.int32)
+        outs = [_cached_layer(hc, w, cache, fuse_features(hc, w, feats), emb, start) for w in (head, inf)]
+        (h0, (k0, v0)), (h1, (k1, v1)) = outs
+        for a, b in ((h0, h1), (k0, k1), (v0, v1)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    # the square wo left untransposed is a different layer (the check above can tell)
+    bad = inf.replace(wo=OutIn(head.wo))
+    h_bad, _ = _cached_layer(hc, bad, cache, fuse_features(hc, bad, feats), emb, start)
+    assert not np.allclose(np.asarray(h_bad), np.asarray(h0), atol=1e-3)
+
+
 def test_head_files_round_trip_and_bad_input(eng, tmp_path):
     hc = EagleConfig.for_target(CFG)
     h = init_head(hc, jax.random.key(2))
