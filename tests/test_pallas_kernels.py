@@ -742,6 +742,7 @@ def test_attention_decode_env_overrides(monkeypatch):
     monkeypatch.setenv("LUCEBOX_ATTN_DECODE", "n_split=1, block_k=128")
     cfg = default_config(1, 3, 256, 64)
     assert (cfg["n_split"], cfg["block_k"], cfg["num_warps"]) == (1, 128, 4)
-    monkeypatch.setenv("LUCEBOX_ATTN_DECODE", "splits=2")
-    with pytest.raises(ValueError, match="n_split, block_k"):
-        default_config(1, 3, 256, 64)
+    for bad in ("splits=2", "block_k=0", "n_split=two"):
+        monkeypatch.setenv("LUCEBOX_ATTN_DECODE", bad)
+        with pytest.raises(ValueError, match="n_split, block_k"):
+            default_config(1, 3, 256, 64)

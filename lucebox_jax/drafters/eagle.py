@@ -105,7 +105,8 @@ class HeadWeights:
 class OutIn:
     """A head matrix stored [N, K] (out, in) for inference. A one-row product x [1, K] @ w [K, N] is a column
     reduction to XLA's GPU compiler: it wrote the float32 product [K, N] in one kernel and reduced it in a second
-    (qkv, o and down; 4 bytes a weight each way); over [N, K] it is one fused row reduction."""
+    (qkv, o and down in each draft step, gate+up in some; 4 bytes a weight each way); over [N, K] it is one fused row
+    reduction."""
 
     t: jax.Array
 
