@@ -236,9 +236,8 @@ def spec_chunk(cfg: ModelConfig, kernels: KernelSet, drafter, weights: Weights, 
         if tree_width:
             from .tree import SAMPLE_CHILDREN, tree_verify
 
-            tt, tp, td, tq = drafter.propose_tree(dparams, st.dstate, st.tok, start, tree_width, k, tree_nodes,
-                                                  rp if SAMPLE_CHILDREN else None)
-            dstate = st.dstate
+            tt, tp, td, tq, dstate = drafter.propose_tree(dparams, st.dstate, st.tok, start, tree_width, k,
+                                                          tree_nodes, rp if SAMPLE_CHILDREN else None)
             n, drafts, nxt, plog, hidden, cache = tree_verify(cfg, kernels, weights, st.cache, st.tok, tt, tp, td, rp,
                                                               st.seen, tree_width, k, drafter.hidden_layers, tq)
             vo, cache = _verify_out(plog, drafts, n, nxt, hidden, cache, start, active, n_logprobs)

@@ -9,7 +9,7 @@ import pytest
 
 from lucebox_jax import SamplingParams
 from lucebox_jax.drafters import EagleDrafter, build
-from lucebox_jax.drafters.eagle import EagleConfig, init_head
+from lucebox_jax.drafters.eagle import EagleConfig, _cached_layer, head_logits, init_head, select_nodes
 from lucebox_jax.engine import Engine, enable_compilation_cache
 from lucebox_jax.errors import InvalidSamplingParamsError
 from lucebox_jax.ops import KernelSet
@@ -193,7 +193,7 @@ def test_propose_tree_samples_a_whole_beam(eng):
     start = jnp.asarray([len(p) for p in ps], jnp.int32)
     w, depth = 3, 4
     rp = RowParams.from_params([SamplingParams(temperature=t, seed=7) for t in (0.9, 0.0, 1.2, 0.7)])
-    toks, parent, dep, q = (np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth, rp=rp))
+    toks, parent, dep, q = (np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth, rp=rp)[:4])
     plain = [np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth)[:3]]
     for a, c in zip((toks, parent, dep), plain):
         np.testing.assert_array_equal(a[1], c[1])  # the greedy row
@@ -209,6 +209,72 @@ def test_propose_tree_samples_a_whole_beam(eng):
     assert not np.array_equal(toks[0], plain[0][0]) or not np.array_equal(toks[2], plain[0][2])
     assert d.propose_tree(d.params, st, tok, start, w, depth, nodes=10, rp=rp)[3] is None
 
+
+
+
+def _naive_beam_tree(d, st, tok, start, w, depth, nodes):
+    """The reference the beam is checked against: every frontier chain run through the head one cached token at a
+    time from the committed state (as `propose` drafts a chain), its children the top w of that chain's own log
+    probabilities; the beam and the final choice as `propose_tree` makes them (`select_nodes`)."""
+    hc, p = d.hc, d.params
+    dt = jnp.dtype(hc.dtype)
+
+    def chain_logprobs(chain):  # chain [B, m] drafted tokens after `tok` -> log probabilities after its last
+        h, cache = st.h_last, (st.k, st.v)
+        for j in range(chain.shape[1]):
+            emb = p.embed.lookup(chain[:, j:j + 1], dt)
+            h2, cache = _cached_layer(hc, p.head, cache, h[:, None], emb, start + j)
+            h = h2[:, 0]
+        return jax.nn.log_softmax(head_logits(hc, p.head, h, p.lm_head))
+
+    b = tok.shape[0]
+    score, ftok = jax.lax.top_k(chain_logprobs(jnp.zeros((b, 0), jnp.int32)), w)
+    chains = [ftok[:, i:i + 1] for i in range(w)]
+    frontier = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32), (b, w))
+    cands, base = [(ftok, score, jnp.full((b, w), -1, jnp.int32), 1, jnp.ones((b, w), bool))], w
+    for dd in range(1, depth):
+        tops = [jax.lax.top_k(chain_logprobs(c), w) for c in chains]
+        cand = (score[:, :, None] + jnp.stack([t[0] for t in tops], 1)).reshape(b, w * w)
+        kids = jnp.stack([t[1] for t in tops], 1).reshape(b, w * w)
+        score, best = jax.lax.top_k(cand, w)
+        kept = jnp.zeros((b, w * w), bool).at[jnp.arange(b)[:, None], best].set(True)
+        cands.append((kids, cand, jnp.repeat(frontier, w, axis=1), dd + 1, kept))
+        stacked = jnp.stack(chains, 1)  # [B, w, dd]
+        par = jnp.take_along_axis(stacked, (best // w)[:, :, None], axis=1)
+        new = jnp.take_along_axis(kids, best, axis=1)
+        chains = [jnp.concatenate([par[:, i], new[:, i:i + 1]], axis=1) for i in range(w)]
+        frontier, base = base + best, base + w * w
+    return select_nodes(cands, nodes or w * depth)[:3]
+
+
+def test_tree_drafting_matches_a_naive_beam_and_reads_its_window_from_the_cache(eng):
+    """The beam's window attention checked two ways. Every frontier chain run through the head one cached token at a
+    time (`_naive_beam_tree`) must give the tree the beam's batched window attention gives. A tree kernel that reads
+    the drafted keys from the head's cache (`in_cache`, Pallas in interpret mode) must draft the same trees, and
+    write only past the committed prefix."""
+    hc = EagleConfig.for_target(CFG)
+    head = init_head(hc, jax.random.key(1))
+    # a fresh head scales its attention output down (wo x 0.1); scaled up, which keys a chain sees moves its tokens
+    head = head.replace(wqkv=head.wqkv * 4, wo=head.wo * 40)
+    ps = tiny_prompts([10, 17, 5, 8], seed=3)
+    tok = jnp.asarray([3, 4, 5, 6], jnp.int32)
+    start = jnp.asarray([len(p) for p in ps], jnp.int32)
+    d = EagleDrafter(hc, head, eng)
+    st = d.init_state(ps, 64, first=np.asarray(tok))
+    cached = EagleDrafter(hc, head, Engine(CFG, eng.weights, KernelSet(attention_tree="pallas")))
+    st2 = cached.init_state(ps, 64, first=np.asarray(tok))
+    for w, depth, nodes in ((3, 4, 0), (3, 5, 15), (2, 6, 9), (1, 5, 0)):
+        want = d.propose_tree(d.params, st, tok, start, w, depth, nodes)
+        for a, c in zip(want[:3], _naive_beam_tree(d, st, tok, start, w, depth, nodes)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        got = cached.propose_tree(cached.params, st2, tok, start, w, depth, nodes)
+        for a, c in zip(got[:3], want[:3]):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        assert np.array_equal(np.asarray(want[4].k), np.asarray(st.k))  # XLA's window: the cache is not written
+        k0, k1 = np.asarray(st2.k), np.asarray(got[4].k)
+        for r, s0 in enumerate(np.asarray(start)):
+            np.testing.assert_array_equal(k1[r, :, :s0], k0[r, :, :s0])  # the committed prefix is untouched
+            assert not np.array_equal(k1[r, :, s0], k0[r, :, s0])  # the window went into the cache
 
 def test_greedy_walk_equals_the_full_walk():
     """The all-greedy fast path picks the same path and next token as the full walk run on greedy rows, on random

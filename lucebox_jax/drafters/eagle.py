@@ -309,17 +309,19 @@ class EagleDrafter(Drafter):
         probability) of the width * width children of the frontier run the head, each on its own chain (committed
         cache + its ancestors' keys: the pattern the head was trained on). The tree is then the best `nodes` of ALL
         the candidates drafted, whatever their depth (`select_nodes`): deep where the head is sure, bushy where it is
-        not. The head's cache is not changed.
+        not. The head's cache past the committed prefix may be written (its drafts' keys; the next absorb rewrites
+        those slots before anything reads them).
         Sampled rows (rp given, temperature > 0) of a tree of exactly width * depth nodes draw each node's children
         from the head's filtered distribution instead (`tree.draft_children`) and keep the whole beam as the tree, so
         that how many children a node has never depends on the draws (tree.py, "Sampled trees").
-        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth), and q
-        [B, 1 + N, V] (each window node's draft distribution; None unless sampled trees are possible); nodes in
-        window order are shallow first, parents before children, at most `width` children a node."""
+        -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth), q
+        [B, 1 + N, V] (each window node's draft distribution; None unless sampled trees are possible) and the
+        state; nodes in window order are shallow first, parents before children, at most `width` children a node."""
         from ..tree import draft_children
 
         hc = self.hc
-        tree_attention = ops.get("attention_tree", self.target.kernels.attention_tree)
+        tree_kernel = self.target.kernels.attention_tree
+        tree_attention = ops.get("attention_tree", tree_kernel)
         dt = jnp.dtype(hc.dtype)
         b, w = tok.shape[0], width
         n_nodes = nodes or w * depth
@@ -328,24 +330,35 @@ class EagleDrafter(Drafter):
         score, ftok, q_root = draft_children(lp[:, None], rp, start + 1, w, sample)
         score, ftok = score[:, 0], ftok[:, 0]  # [B, W]
         g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
-        ck = jnp.zeros((b, w, depth, hc.n_kv_heads, hc.head_dim), dt)
-        cv = jnp.zeros_like(ck)
+        # the keys drafted so far, each at a fixed window index: frontier slot i's key at depth d is (d - 1) * W + i;
+        # anc[b, i] marks the window keys on slot i's chain (its ancestors and itself), carried with the beam
+        wn = w * (depth - 1)
+        kw = jnp.zeros((b, max(wn, 1), hc.n_kv_heads, hc.head_dim), dt)
+        vw = jnp.zeros_like(kw)
+        anc = jnp.zeros((b, w, max(wn, 1)), bool)
+        # with a tree kernel that reads the window from the cache, the keys also go into the head's cache past the
+        # committed prefix (slots start .. start + wn - 1, inside the verify's own window: scratch until the next
+        # absorb rewrites them): one kernel reads prefix and window, no window einsums and merge in XLA
+        in_cache = 0 < wn <= min(64, n_nodes + 1) and ops.accepts("attention_tree", tree_kernel, "in_cache")
+        kc, vc = state.k, state.v
         # every candidate drafted: token, cumulative log probability, parent (candidate index, -1 = the root), depth,
         # whether the beam kept it
         cands = [(ftok, score, jnp.full((b, w), -1, jnp.int32), 1, jnp.ones((b, w), bool))]
         frontier = jnp.broadcast_to(jnp.arange(w, dtype=jnp.int32)[None], (b, w))  # candidate index of each slot
         fronts, q_fronts = [], []  # the frontiers that drafted children, and their distributions
         base = w
-        wi = jnp.arange(w)
+        own = jnp.eye(w, dtype=bool)[None]
         for d in range(1, depth):
             pos = jnp.broadcast_to((start - 1 + d)[:, None], (b, w))
             q, k, v = head_qkv(hc, params.head, g, params.embed.lookup(ftok, dt), pos)
-            ck, cv = ck.at[:, :, d - 1].set(k), cv.at[:, :, d - 1].set(v)
-            # query w sees its own chain's keys 0 .. d - 1 (flattened window of W * depth keys)
-            anc = (wi[:, None, None] == wi[None, :, None]) & (jnp.arange(depth)[None, None, :] < d)
-            anc = jnp.broadcast_to(anc.reshape(1, w, w * depth), (b, w, w * depth))
-            o = tree_attention(q, state.k, state.v, start, ck.reshape(b, w * depth, *ck.shape[3:]),
-                               cv.reshape(b, w * depth, *cv.shape[3:]), anc, scale=1.0 / math.sqrt(hc.head_dim))
+            lo = (d - 1) * w
+            kw, vw = kw.at[:, lo:lo + w].set(k), vw.at[:, lo:lo + w].set(v)
+            anc = anc.at[:, :, lo:lo + w].set(jnp.broadcast_to(own, (b, w, w)))
+            extra = {}
+            if in_cache:
+                kc, vc = _write_kv(kc, k, start + lo), _write_kv(vc, v, start + lo)
+                extra = {"in_cache": True}
+            o = tree_attention(q, kc, vc, start, kw, vw, anc, scale=1.0 / math.sqrt(hc.head_dim), **extra)
             h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
             lp = jax.nn.log_softmax(head_logits(hc, params.head, h, params.lm_head, self.target.kernels))
             top_lp, top_tok, q_front = draft_children(lp, rp, start + 1 + d, w, sample)  # [B, W, W]
@@ -358,20 +371,21 @@ class EagleDrafter(Drafter):
             pw = best // w  # parent's frontier slot
             ftok = jnp.take_along_axis(top_tok.reshape(b, w * w), best, axis=1)
             take = lambda a: jnp.take_along_axis(a, pw.reshape(b, w, *([1] * (a.ndim - 2))), axis=1)  # noqa: E731
-            g, ck, cv = take(h), take(ck), take(cv)
+            g, anc = take(h), take(anc)
             frontier = base + best
             base += w * w
+        state = state.replace(k=kc, v=vc)
         hot = None if not sample else rp.temperature > 0
         toks, parent, dep, window = select_nodes(cands, n_nodes, beam_only=hot)
         if not sample:
-            return toks, parent, dep, None
+            return toks, parent, dep, None, state
         # each window node's distribution: the root's, then each drafting frontier's (deepest nodes: none needed)
         rows = jnp.arange(b)[:, None]
         q_win = jnp.zeros((b, 1 + n_nodes, q_root.shape[-1]), jnp.float32).at[:, 0].set(q_root[:, 0])
         for f, qf in zip(fronts, q_fronts):
             wf = jnp.take_along_axis(window, f, axis=1)  # window index of each frontier slot (0: not in the tree)
             q_win = q_win.at[rows, jnp.where(wf > 0, wf, n_nodes + 1)].set(qf, mode="drop")
-        return toks, parent, dep, q_win
+        return toks, parent, dep, q_win, state
 
 
 def select_nodes(cands, n: int, beam_only=None):
