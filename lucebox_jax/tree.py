@@ -44,11 +44,14 @@ SAMPLE_CHILDREN = os.environ.get("LUCEBOX_TREE_SAMPLE", "1") != "0"
 
 
 def draft_children(lp, rp, positions, w: int, sample: bool):
-    """Children of S draft nodes from their log probabilities lp [B, S, V]; the children sit at positions [B].
-    -> scores [B, S, w] (the w largest log probabilities, sorted: the beam ranks children by these), tokens
-    [B, S, w] and q [B, S, V] or None. Greedy rows (and every row unless `sample`) take the w most likely tokens;
-    sampled rows w draws without replacement from q, the row's filtered draft distribution, in draw order."""
+    """Children of S draft nodes from their logits lp [B, S, V] (log probabilities up to a constant a node: only the
+    w chosen are normalised, by the row's logsumexp, so no [B, S, V] log-softmax is written); the children sit at
+    positions [B]. -> scores [B, S, w] (the w largest log probabilities, sorted: the beam ranks children by these),
+    tokens [B, S, w] and q [B, S, V] or None. Greedy rows (and every row unless `sample`) take the w most likely
+    tokens; sampled rows w draws without replacement from q, the row's filtered draft distribution, in draw order."""
+    lp = lp.astype(jnp.float32)
     score, top = top_k_wide(lp, w)
+    score = score - jax.nn.logsumexp(lp, axis=-1, keepdims=True)
     if not sample:
         return score, top, None
     b, s, v = lp.shape

@@ -155,12 +155,13 @@ def test_sampled_tree_rejection_sampling_follows_the_target():
 
 def test_draft_children_draws_without_replacement_from_q():
     """Sampled rows' children: the first ~ q, the second ~ q without the first (P(j) = sum_i q_i q_j / (1 - q_i));
-    greedy rows keep the most likely tokens; the scores are the sorted top log probabilities either way."""
+    greedy rows keep the most likely tokens; the scores are the sorted top log probabilities (normalised from
+    shifted logits) either way."""
     from lucebox_jax.tree import draft_children
 
     v, w, n = 6, 3, 20000
     q = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04], np.float32)
-    lp = jnp.broadcast_to(jnp.log(jnp.asarray(q)), (n, 1, v))
+    lp = jnp.broadcast_to(jnp.log(jnp.asarray(q)) + 3.0, (n, 1, v))  # logits: log q up to a constant
     temps = [1.0] * (n - 1) + [0.0]
     rp = RowParams.from_params([SamplingParams(temperature=t, seed=s) for s, t in enumerate(temps)])
     score, tok, qd = jax.jit(draft_children, static_argnames=("w", "sample"))(
