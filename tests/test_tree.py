@@ -211,8 +211,6 @@ def test_propose_tree_samples_a_whole_beam(eng):
     assert d.propose_tree(d.params, st, tok, start, w, depth, nodes=10, rp=rp)[3] is None
 
 
-
-
 def _naive_beam_tree(d, st, tok, start, w, depth, nodes):
     """The reference the beam is checked against: every frontier chain run through the head one cached token at a
     time from the committed state (as `propose` drafts a chain), its children the top w of that chain's own log
@@ -276,6 +274,7 @@ def test_tree_drafting_matches_a_naive_beam_and_reads_its_window_from_the_cache(
         for r, s0 in enumerate(np.asarray(start)):
             np.testing.assert_array_equal(k1[r, :, :s0], k0[r, :, :s0])  # the committed prefix is untouched
             assert not np.array_equal(k1[r, :, s0], k0[r, :, s0])  # the window went into the cache
+
 
 def test_greedy_walk_equals_the_full_walk():
     """The all-greedy fast path picks the same path and next token as the full walk run on greedy rows, on random

@@ -32,7 +32,6 @@ from .. import ops
 from ..engine import Engine, pow2_at_least
 from ..model import VERIFY_AS_DECODE_ROWS, EmbedTable, _decode_rows, _write_kv, forward, init_cache, rms_norm, rope
 from ..quant import linear
-from ..sampling import top_k_wide
 from .base import DraftError, Drafter, register
 
 HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
