@@ -10,9 +10,10 @@ IFS=';' read -ra SETS <<< "${ATTN_SETS:-;n_split=1,block_k=128}"
 for ctx in ${CTXS:-256 1024}; do
   for i in "${!SETS[@]}"; do
     mkdir -p "$OUT/ab_${ctx}_$i"
-    LUCEBOX_ATTN_DECODE="${SETS[$i]}" OUT="$OUT/ab_${ctx}_$i" timeout "${AB_SECONDS:-120}" python3 benchmarks/bench_decode.py \
-      --models "${AB_MODELS:-smollm2-135m}" --batches "${AB_BATCHES:-1,32}" --xla-batches '' \
-      --kernel-sets 'qmatmul=best,qmatmul8=best' --reps 2 --ctx "$ctx" > "$OUT/attn_ab_${ctx}_$i.log" 2>&1
-    echo "ctx $ctx LUCEBOX_ATTN_DECODE='${SETS[$i]}':"; grep -E "^(smollm2|llama3)|ERROR|Error" "$OUT/attn_ab_${ctx}_$i.log" | tail -4
+    LUCEBOX_ATTN_DECODE="${SETS[$i]}" OUT="$OUT/ab_${ctx}_$i" timeout "${AB_SECONDS:-120}" \
+      python3 benchmarks/bench_decode.py --models "${AB_MODELS:-smollm2-135m}" --batches "${AB_BATCHES:-1,32}" \
+      --xla-batches "" --kernel-sets qmatmul=best,qmatmul8=best --reps 2 --ctx "$ctx" >"$OUT/attn_ab_${ctx}_$i.log" 2>&1
+    echo "ctx $ctx LUCEBOX_ATTN_DECODE='${SETS[$i]}':"
+    grep -E "^(smollm2|llama3)|ERROR|Error" "$OUT/attn_ab_${ctx}_$i.log" | tail -4
   done
 done

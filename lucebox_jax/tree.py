@@ -43,22 +43,22 @@ TAG_TREE_DRAFT = 6  # sampled children
 SAMPLE_CHILDREN = os.environ.get("LUCEBOX_TREE_SAMPLE", "1") != "0"
 
 
-def draft_children(lp, rp, positions, w: int, sample: bool):
-    """Children of S draft nodes from their logits lp [B, S, V] (log probabilities up to a constant a node: only the
+def draft_children(logits, rp, positions, w: int, sample: bool):
+    """Children of S draft nodes from their logits [B, S, V] (log probabilities up to a constant a node: only the
     w chosen are normalised, by the row's logsumexp, so no [B, S, V] log-softmax is written); the children sit at
     positions [B]. -> scores [B, S, w] (the w largest log probabilities, sorted: the beam ranks children by these),
     tokens [B, S, w] and q [B, S, V] or None. Greedy rows (and every row unless `sample`) take the w most likely
     tokens; sampled rows w draws without replacement from q, the row's filtered draft distribution, in draw order."""
-    lp = lp.astype(jnp.float32)
-    score, top = top_k_wide(lp, w)
-    score = score - jax.nn.logsumexp(lp, axis=-1, keepdims=True)
+    logits = logits.astype(jnp.float32)
+    score, top = top_k_wide(logits, w)
+    score = score - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     if not sample:
         return score, top, None
-    b, s, v = lp.shape
+    b, s, v = logits.shape
 
     def stochastic(*, sort):
         rep = lambda a: jnp.repeat(a, s, axis=0)  # noqa: E731
-        x = filter_logits(lp.reshape(b * s, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p),
+        x = filter_logits(logits.reshape(b * s, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p),
                           sort=sort)
         logq = jax.nn.log_softmax(x, axis=-1).reshape(b, s, v)
 
@@ -69,7 +69,7 @@ def draft_children(lp, rp, positions, w: int, sample: bool):
         _, drawn = top_k_wide(logq + jax.vmap(noise)(keys), w)
         return jnp.where((rp.temperature > 0)[:, None, None], drawn, top), jnp.exp(logq)
 
-    tok, q = by_temperature(rp, v, lambda: (top, jnp.zeros(lp.shape, jnp.float32)), stochastic)
+    tok, q = by_temperature(rp, v, lambda: (top, jnp.zeros(logits.shape, jnp.float32)), stochastic)
     return score, tok, q
 
 

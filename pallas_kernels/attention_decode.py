@@ -201,7 +201,8 @@ def env_overrides() -> dict:
     out = {}
     for item in filter(None, (x.strip() for x in spec.split(","))):
         key, _, val = item.partition("=")
-        if key not in ("n_split", "block_k", "num_warps", "num_stages", "min_programs") or not val.isdigit() or int(val) == 0:
+        if (key not in ("n_split", "block_k", "num_warps", "num_stages", "min_programs") or not val.isdigit()
+                or int(val) == 0):
             raise ValueError(f"LUCEBOX_ATTN_DECODE: {item!r} is not one of n_split, block_k, num_warps, num_stages, "
                              "min_programs = a positive integer")
         out[key] = int(val)

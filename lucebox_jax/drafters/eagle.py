@@ -325,8 +325,8 @@ class EagleDrafter(Drafter):
         b, w = tok.shape[0], width
         n_nodes = nodes or w * depth
         sample = rp is not None and n_nodes == w * depth
-        lp = head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels)
-        score, ftok, q_root = draft_children(lp[:, None], rp, start + 1, w, sample)
+        logits = head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels)
+        score, ftok, q_root = draft_children(logits[:, None], rp, start + 1, w, sample)
         score, ftok = score[:, 0], ftok[:, 0]  # [B, W]
         g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
         # the keys drafted so far, each at a fixed window index: frontier slot i's key at depth d is (d - 1) * W + i;
@@ -359,8 +359,8 @@ class EagleDrafter(Drafter):
                 extra = {"in_cache": True}
             o = tree_attention(q, kc, vc, start, kw, vw, anc, scale=1.0 / math.sqrt(hc.head_dim), **extra)
             h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
-            lp = head_logits(hc, params.head, h, params.lm_head, self.target.kernels)
-            top_lp, top_tok, q_front = draft_children(lp, rp, start + 1 + d, w, sample)  # [B, W, W]
+            logits = head_logits(hc, params.head, h, params.lm_head, self.target.kernels)
+            top_lp, top_tok, q_front = draft_children(logits, rp, start + 1 + d, w, sample)  # [B, W, W]
             fronts.append(frontier)
             q_fronts.append(q_front)
             cand = (score[:, :, None] + top_lp).reshape(b, w * w)
