@@ -67,7 +67,7 @@ fi
 if [ -n "${SPEC_ENV_AB:-}" ]; then
   # the eagle chain (K = 4, greedy, 4 prompts) under each ';'-separated set of environment assignments, in separate
   # processes, e.g. SPEC_ENV_AB='LUCEBOX_VERIFY_APPEND=0;LUCEBOX_VERIFY_APPEND=1' (the verify's window written first
-  # or by the decode kernel); SPEC_AB_ARGS (default --tree 0) e.g. "--tree 15@5" for LUCEBOX_TREE_ROWS=0;1
+  # or by the decode kernel); SPEC_AB_ARGS (default --tree 0) e.g. "--tree 15@5" for LUCEBOX_TREE_ROWS=0;32
   IFS=';' read -ra ENV_SETS <<< "${SPEC_ENV_AB}"
   for i in "${!ENV_SETS[@]}"; do
     env ${ENV_SETS[$i]} timeout 150 python3 benchmarks/bench_spec.py --model "$M" --drafters eagle --ks 4 \

@@ -105,9 +105,9 @@ DEFER_ONE_ROW_NORM = True
 APPEND_KV = True
 # ... and a short verify's window (LUCEBOX_VERIFY_APPEND=0 writes it first: A/B in benchmarks)
 APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
-# ... and a tree of at most VERIFY_AS_DECODE_ROWS nodes, as decode rows with its ancestors as bits
-# (LUCEBOX_TREE_ROWS=0: the tree attention kernel over the window written first)
-TREE_AS_ROWS = os.environ.get("LUCEBOX_TREE_ROWS", "1") != "0"
+# ... and a tree verify of at most TREE_AS_ROWS rows (nodes and root), as decode rows with its ancestors as bits
+# (LUCEBOX_TREE_ROWS=N sets it; 0: the tree attention kernel over the window written first)
+TREE_AS_ROWS = int(os.environ.get("LUCEBOX_TREE_ROWS", "32") or "32")
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16
 
@@ -149,11 +149,16 @@ def rms_norm_deferred(x, w, eps):
     return (xf * w.astype(jnp.float32)).astype(x.dtype), r
 
 
+def one_deferred_row(x) -> bool:
+    """Whether a norm before a matmul on x [..., D] defers its scale (`rms_norm_deferred`): one row, not row-invariant."""
+    return math.prod(x.shape[:-1]) == 1 and DEFER_ONE_ROW_NORM and not quant.ROW_INVARIANT
+
+
 def normed_linear(x, norm_w, eps, lw_w, bias=None, *, kernels):
     """linear(rms_norm(x, norm_w), lw_w) + bias. For one row the norm's scale is applied after the matmul
     (rms_norm_deferred); for more rows XLA already makes the norm one kernel, and deferring it measured more kernels
     (a tree step: 602 -> 619). Row-invariant mode always normalizes first (bit-exact rows)."""
-    if quant.ROW_INVARIANT or math.prod(x.shape[:-1]) != 1 or not DEFER_ONE_ROW_NORM:
+    if not one_deferred_row(x):
         return linear(rms_norm(x, norm_w, eps), lw_w, bias, kernels=kernels)
     h, r = rms_norm_deferred(x, norm_w, eps)
     y = linear(h, lw_w, kernels=kernels).astype(jnp.float32) * r
@@ -278,7 +283,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
                    and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
     # a short tree the same way: node t a decode row writing its K/V at slot start + t and seeing its ancestors
     tree_rows_anc = None
-    if (tree is not None and not tree_as_decode and TREE_AS_ROWS and t <= VERIFY_AS_DECODE_ROWS
+    if (tree is not None and not tree_as_decode and t <= TREE_AS_ROWS
             and ops.accepts("attention_decode", kernels.attention_decode, "window_anc")):
         tree_rows_anc = tree[1].reshape(b * t, t)
     for i, lw in enumerate(w.layers):

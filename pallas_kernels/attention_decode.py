@@ -22,7 +22,7 @@ and then attending, without the writes' two kernels a layer and with one input f
 `append=True` with `rows` and `window_rows=T` (a short speculative verify as B * T decode rows): query row r is
 position t = r % T of a window of T new positions of cache row rows[r], whose keys and values are q's rows r - t ..
 r - t + T - 1 (the window's own rows). Each program reads the cache only before the window's first slot, attends to
-the window's keys 0..t from q (the last split of the row, one key at a time), and its row's key and value are written
+the window's keys 0..t from q (the last split of the row, the window as one block), and its row's key and value are written
 at slot lengths[r] - 1 (the window placed as a dynamic-update-slice places T rows). No read can meet a write (writes
 are at or past the window's start, reads before it), so the verify's two cache writes a layer go as for a decode step;
 the softmax runs in another order than attending to a cache written first (not bitwise; the row-invariant mode keeps
@@ -132,25 +132,27 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
 
     init = (jnp.zeros((bh, d), jnp.float32), jnp.full((bh,), _NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
     acc, m_i, l_i = lax.fori_loop(0, n_blocks, body, init)
-    if win_rows:
-        def key(i, carry):  # the window's key i (q's row b - t + i), one at a time, into the last split
-            acc, m_i, l_i = carry
-            kw = plgpu.load(q_ref.at[b - t + i, pl.ds(hq + h, 1), :]).astype(jnp.float32)  # [1, D]
-            vw = plgpu.load(q_ref.at[b - t + i, pl.ds(hq + hkv + h, 1), :]).astype(jnp.float32)
-            s = jnp.sum(q.astype(jnp.float32) * kw, axis=1)  # [bh]
-            if nw:  # a tree: key i where the row's bit i is set (i & 31: a scalar % lowers wrongly in Triton)
-                word = words[0] if nw == 1 else jnp.where(i < 32, words[0], words[1])  # [bh, 1]
-                vis = ((word[:, 0] >> (i & 31)) & 1) == 1
-                s = jnp.where(vis, s, _NEG)
-            m_new = jnp.maximum(m_i, s)
-            alpha = jnp.exp2(m_i - m_new)
-            p = jnp.exp2(s - m_new)
-            if nw:  # (a row that has seen nothing yet keeps m = -1e30, where exp2(0) = 1)
-                p = jnp.where(vis, p, 0.0)
-            return acc * alpha[:, None] + p[:, None] * vw, m_new, l_i * alpha + p
-
-        n_keys = (t + 1) if not nw else t * 0 + win_rows  # (one integer type for scf.for's bounds)
-        acc, m_i, l_i = lax.fori_loop(0, jnp.where(sp == n_split - 1, n_keys, 0), key, (acc, m_i, l_i))
+    if win_rows:  # the window's keys and values (q's rows b - t .. b - t + T - 1) as one block, in the last split
+        tw = max(16, _next_pow2(win_rows))  # (the tensor-core dot's 16 columns at least)
+        j = jnp.arange(tw)
+        jmask = j < win_rows
+        kw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + h, :], mask=jmask[:, None], other=0).astype(k_ref.dtype)
+        vw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + hkv + h, :], mask=jmask[:, None], other=0)
+        s = jnp.dot(q, kw.T, preferred_element_type=jnp.float32)  # [bh, tw]
+        if nw:  # a tree: key j where the row's bit j is set
+            word = words[0] if nw == 1 else jnp.where(j[None, :] < 32, words[0], words[1])  # [bh, tw]
+            vis = (((word >> (j[None, :] & 31)) & 1) == 1) & jmask[None, :]
+        else:  # a chain: keys 0..t
+            vis = (j <= t)[None, :] & jmask[None, :]
+        vis = vis & (sp == n_split - 1)
+        s = jnp.where(vis, s, _NEG)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.where(vis, jnp.exp2(s - m_new[:, None]), 0.0)  # (a row that saw nothing yet has m = -1e30)
+        l_i = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), vw.astype(v_ref.dtype),
+                                             preferred_element_type=jnp.float32)
+        m_i = m_new
     if append:
         @pl.when(sp == (n_split - 1 if win_rows else slot // chunk))
         def _():

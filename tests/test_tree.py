@@ -301,20 +301,27 @@ def test_greedy_walk_equals_the_full_walk():
     assert np.asarray(full[0]).max() >= 2  # some rows accept deep paths, so the comparison is not vacuous
 
 
-def test_tree_verify_through_the_pallas_tree_kernel(eng):
+@pytest.mark.parametrize("n", [7, 24])
+def test_tree_verify_through_the_pallas_tree_kernel(eng, n):
     """The tree forward with `attention_tree=pallas` (the committed cache through the flash-decoding kernel,
     interpreted here), and with `attention_decode=pallas` as well (the nodes as decode rows that write the window),
-    gives the logits and cache of the XLA einsum path: batch 2, ragged prefixes, a 7-node tree."""
-    from lucebox_jax.model import forward, init_cache
+    gives the logits and cache of the XLA einsum path: batch 2, ragged prefixes, a tree of 7 tokens and one of 24
+    (past 16: decode rows up to model.TREE_AS_ROWS)."""
+    from lucebox_jax.model import TREE_AS_ROWS, forward, init_cache
 
-    parent = jnp.asarray([[0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 5]], jnp.int32)  # a bushy tree and a chain
-    anc = ancestors(parent, 6)
+    if n == 7:
+        parent = jnp.asarray([[0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 5]], jnp.int32)  # a bushy tree and a chain
+    else:  # each node's parent one of the nodes before it
+        rng = np.random.default_rng(n)
+        parent = jnp.asarray([[rng.integers(0, i) for i in range(1, n)] for _ in range(2)], jnp.int32)
+        assert n <= TREE_AS_ROWS
+    anc = ancestors(parent, n - 1)
     depth = jnp.sum(anc, axis=-1).astype(jnp.int32) - 1
     cache = init_cache(CFG, 2, 64)
     prompt = jnp.asarray(np.random.default_rng(0).integers(1, CFG.vocab_size, (2, 20)), jnp.int32)
     _, cache = forward(CFG, KernelSet(), eng.weights, cache, prompt, jnp.zeros((2,), jnp.int32))
     start = jnp.asarray([20, 13], jnp.int32)  # row 1 sees only its first 13 cached positions
-    toks = jnp.asarray(np.random.default_rng(1).integers(1, CFG.vocab_size, (2, 7)), jnp.int32)
+    toks = jnp.asarray(np.random.default_rng(1).integers(1, CFG.vocab_size, (2, n)), jnp.int32)
     want, cw = forward(CFG, KernelSet(), eng.weights, cache, toks, start, tree=(depth, anc))
     from lucebox_jax import ops
 

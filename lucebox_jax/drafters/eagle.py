@@ -30,8 +30,8 @@ from flax import serialization, struct
 
 from .. import ops
 from ..engine import Engine, pow2_at_least
-from ..model import VERIFY_AS_DECODE_ROWS, EmbedTable, _decode_rows, _write_kv, forward, init_cache, rms_norm, rope
-from ..quant import linear
+from ..model import (VERIFY_AS_DECODE_ROWS, EmbedTable, _decode_rows, _write_kv, forward, init_cache, normed_linear,
+                     one_deferred_row, rms_norm, rms_norm_deferred, rope)
 from .base import DraftError, Drafter, register
 
 HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
@@ -163,14 +163,18 @@ def head_qkv(hc: EagleConfig, hw: HeadWeights, g, emb, positions):
 def head_out(hc: EagleConfig, hw: HeadWeights, g, o):
     """Residual on g: attention output o [B, T, Hq * hd], then the MLP -> the head's hidden state h [B, T, D]."""
     h = g + _mm(o, hw.wo)
-    gu = _mm(rms_norm(h, hw.ffn_norm, hc.rms_eps), hw.w_gate_up).astype(jnp.float32)
+    if one_deferred_row(h):  # a draft step's one row: the norm's scale after the matmul (model.rms_norm_deferred)
+        hw_, r = rms_norm_deferred(h, hw.ffn_norm, hc.rms_eps)
+        gu = _mm(hw_, hw.w_gate_up).astype(jnp.float32) * r
+    else:
+        gu = _mm(rms_norm(h, hw.ffn_norm, hc.rms_eps), hw.w_gate_up).astype(jnp.float32)
     act = jax.nn.silu(gu[..., : hc.ffn_dim]) * gu[..., hc.ffn_dim:]
     return h + _mm(act.astype(h.dtype), hw.w_down)
 
 
 def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None):
     """h [..., D] -> logits [..., V] (float32) through the target's LM head."""
-    return linear(rms_norm(h, hw.out_norm, hc.rms_eps), lm_head, kernels=kernels).astype(jnp.float32)
+    return normed_linear(h, hw.out_norm, hc.rms_eps, lm_head, kernels=kernels).astype(jnp.float32)
 
 
 def _cached_layer(hc, hw, cache, g, emb, start, decode_kernel: str | None = None):
