@@ -92,7 +92,7 @@ def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, dept
     token [B]). An all-greedy batch takes `_walk_greedy` (a few [B, N] ops per depth); with any sampled row the
     whole batch takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every
     child it tries."""
-    return by_temperature(rp, logits.shape[-1], lambda: _walk_greedy(logits, tokens, parent, depth),
+    return by_temperature(rp, logits.shape[-1], lambda: _walk_greedy(logits, tokens, parent, depths, depth),
                           lambda *, sort: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth, sort, q))
 
 
@@ -107,25 +107,28 @@ def children(parent, width: int):
     return jnp.zeros((b, n + 1, width), jnp.int32).at[rows, parent, rank].set(win, mode="drop")
 
 
-def _walk_greedy(logits, tokens, parent, depth: int):
+def _walk_greedy(logits, tokens, parent, depths, depth: int):
     """`_walk` for greedy rows: at each depth the first child (in window order) of the current node whose token is
-    the target's argmax there."""
-    b = logits.shape[0]
-    rows = jnp.arange(b)
+    the target's argmax there. Without a loop over depths (each a few dependent kernels): a node is taken when its
+    token is its parent's argmax and no earlier sibling's is, and the path is the taken nodes whose ancestors are all
+    taken (at most one a depth)."""
+    b, n = tokens.shape
     arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + N]
-    cur = jnp.zeros((b,), jnp.int32)
-    alive = jnp.ones((b,), bool)
-    n = jnp.zeros((b,), jnp.int32)
-    path = []
-    for _ in range(depth):
-        ok = alive[:, None] & (parent == cur[:, None]) & (tokens == arg[rows, cur][:, None])  # [B, N]
-        found = ok.any(axis=1)
-        nxt_cur = 1 + jnp.argmax(ok, axis=1).astype(jnp.int32)
-        cur = jnp.where(found, nxt_cur, cur)
-        path.append(jnp.where(found, nxt_cur, 0))
-        n = n + found.astype(jnp.int32)
-        alive = alive & found
-    return n, jnp.stack(path, axis=1), arg[rows, cur]
+    match = tokens == jnp.take_along_axis(arg, parent, axis=1)  # [B, N]
+    earlier = jnp.tril(jnp.ones((n, n), bool), -1)  # [i, j]: j before i
+    shadowed = jnp.any((parent[:, :, None] == parent[:, None, :]) & earlier[None] & match[:, None, :], axis=2)
+    taken = jnp.concatenate([jnp.ones((b, 1), bool), match & ~shadowed], axis=1)  # [B, 1 + N], the root taken
+    par = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], axis=1)
+    on = taken
+    for _ in range(depth - 1):  # on the path: taken, and so is every ancestor (gathers only: one fusion)
+        on = taken & jnp.take_along_axis(on, par, axis=1)
+    on = on.at[:, 0].set(False)
+    dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depths], axis=1)
+    at = on[:, :, None] & (dep[:, :, None] == jnp.arange(1, depth + 1, dtype=jnp.int32)[None, None, :])
+    path = jnp.sum(jnp.where(at, jnp.arange(1 + n, dtype=jnp.int32)[None, :, None], 0), axis=1)  # [B, depth]
+    nacc = jnp.sum(on, axis=1).astype(jnp.int32)
+    cur = jnp.take_along_axis(jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1), nacc[:, None], axis=1)
+    return nacc, path, jnp.take_along_axis(arg, cur, axis=1)[:, 0]
 
 
 def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int, sort: bool = True, q=None):

@@ -295,7 +295,7 @@ def test_greedy_walk_equals_the_full_walk():
     rp = RowParams.from_params([SamplingParams(temperature=0.0, seed=s) for s in range(b)])
     pos = jnp.full((b,), 5, jnp.int32)
     full = _walk(logits, tokens, parent, depths, rp, rp.keys, pos, width, depth)
-    fast = _walk_greedy(logits, tokens, parent, depth)
+    fast = _walk_greedy(logits, tokens, parent, depths, depth)
     for a, c in zip(full, fast):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
     assert np.asarray(full[0]).max() >= 2  # some rows accept deep paths, so the comparison is not vacuous
