@@ -39,10 +39,10 @@ from lucebox_jax.synthetic import PRESETS, random_weights  # noqa: E402
 HEAD_OF = {"smollm2-135m": "SmolLM2-135M-Instruct.Q4_1"}
 
 
-def generate(eng, spec, prompt, max_new):
-    """One prompt, greedy, `max_new` tokens (no stop): -> (seconds, target steps of the loop)."""
+def generate(eng, spec, prompt, max_new, need):
+    """One prompt, greedy, `max_new` tokens (no stop) in a cache for `need` positions (the same for both lengths: one
+    compile of each loop, and the same cache shapes): -> (seconds, target steps of the loop)."""
     rp = RowParams.from_params([SamplingParams(temperature=0.0)])
-    need = len(prompt) + max_new
     t0 = time.perf_counter()
     cache = eng.new_cache(1, spec.cache_len(need) if spec else eng.cache_len_for(need))
     hidden = spec.drafter.hidden_layers if spec else None
@@ -59,12 +59,13 @@ def generate(eng, spec, prompt, max_new):
 
 
 def ms_per_step(eng, spec, prompt, lengths, reps):
-    """Median over reps of (t(long) - t(short)) / (steps(long) - steps(short)), in ms; the first run compiles."""
-    generate(eng, spec, prompt, lengths[0])
-    generate(eng, spec, prompt, lengths[1])
+    """Median over reps of (t(long) - t(short)) / (steps(long) - steps(short)), in ms; the first runs compile."""
+    need = len(prompt) + max(lengths)
+    for n in lengths:
+        generate(eng, spec, prompt, n, need)
     out, acc = [], []
     for _ in range(reps):
-        (t1, s1), (t2, s2) = (generate(eng, spec, prompt, n) for n in lengths)
+        (t1, s1), (t2, s2) = (generate(eng, spec, prompt, n, need) for n in lengths)
         out.append(1e3 * (t2 - t1) / max(s2 - s1, 1))
         if spec is not None:
             acc.append(spec.last_stats["mean_accepted"])
