@@ -150,7 +150,8 @@ def rms_norm_deferred(x, w, eps):
 
 
 def one_deferred_row(x) -> bool:
-    """Whether a norm before a matmul on x [..., D] defers its scale (`rms_norm_deferred`): one row, not row-invariant."""
+    """Whether a norm before a matmul on x [..., D] defers its scale (`rms_norm_deferred`): one row, not in the
+    row-invariant mode."""
     return math.prod(x.shape[:-1]) == 1 and DEFER_ONE_ROW_NORM and not quant.ROW_INVARIANT
 
 

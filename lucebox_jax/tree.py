@@ -120,7 +120,7 @@ def _walk_greedy(logits, tokens, parent, depths, depth: int):
     taken = jnp.concatenate([jnp.ones((b, 1), bool), match & ~shadowed], axis=1)  # [B, 1 + N], the root taken
     par = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), parent], axis=1)
     on = taken
-    for _ in range(depth - 1):  # on the path: taken, and so is every ancestor (gathers only: one fusion)
+    for _ in range(depth - 1):  # on the path: taken, and so is every ancestor
         on = taken & jnp.take_along_axis(on, par, axis=1)
     on = on.at[:, 0].set(False)
     dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depths], axis=1)

@@ -22,11 +22,11 @@ and then attending, without the writes' two kernels a layer and with one input f
 `append=True` with `rows` and `window_rows=T` (a short speculative verify as B * T decode rows): query row r is
 position t = r % T of a window of T new positions of cache row rows[r], whose keys and values are q's rows r - t ..
 r - t + T - 1 (the window's own rows). Each program reads the cache only before the window's first slot, attends to
-the window's keys 0..t from q (the last split of the row, the window as one block), and its row's key and value are written
-at slot lengths[r] - 1 (the window placed as a dynamic-update-slice places T rows). No read can meet a write (writes
-are at or past the window's start, reads before it), so the verify's two cache writes a layer go as for a decode step;
-the softmax runs in another order than attending to a cache written first (not bitwise; the row-invariant mode keeps
-the write-first path).
+the window's keys 0..t from q (in the row's last split, the window read as one block), and its row's key and value
+are written at slot lengths[r] - 1 (the window placed as a dynamic-update-slice places T rows). No read can meet a
+write (writes are at or past the window's start, reads before it), so the verify's two cache writes a layer go as for
+a decode step; the softmax runs in another order than attending to a cache written first (not bitwise; the
+row-invariant mode keeps the write-first path).
 
 The same with `win_mask` (a token tree's verify, at most 64 nodes, as B * T decode rows): row r is node t of its
 row's window and attends, besides the cache before the window, to the window keys whose bit is set in its mask (its

@@ -164,8 +164,8 @@ def head_out(hc: EagleConfig, hw: HeadWeights, g, o):
     """Residual on g: attention output o [B, T, Hq * hd], then the MLP -> the head's hidden state h [B, T, D]."""
     h = g + _mm(o, hw.wo)
     if one_deferred_row(h):  # a draft step's one row: the norm's scale after the matmul (model.rms_norm_deferred)
-        hw_, r = rms_norm_deferred(h, hw.ffn_norm, hc.rms_eps)
-        gu = _mm(hw_, hw.w_gate_up).astype(jnp.float32) * r
+        unscaled, r = rms_norm_deferred(h, hw.ffn_norm, hc.rms_eps)
+        gu = _mm(unscaled, hw.w_gate_up).astype(jnp.float32) * r
     else:
         gu = _mm(rms_norm(h, hw.ffn_norm, hc.rms_eps), hw.w_gate_up).astype(jnp.float32)
     act = jax.nn.silu(gu[..., : hc.ffn_dim]) * gu[..., hc.ffn_dim:]
