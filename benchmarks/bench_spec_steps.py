@@ -29,7 +29,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lucebox_jax import SamplingParams, ops  # noqa: E402
-from lucebox_jax.drafters.eagle import EagleConfig, EagleDrafter, init_head, load_head, shipped_head_dir  # noqa: E402
+from lucebox_jax.drafters.eagle import (EagleConfig, EagleDrafter, init_head, load_draft_vocab, load_head,  # noqa: E402
+                                        shipped_head_dir)
 from lucebox_jax.engine import Engine  # noqa: E402
 from lucebox_jax.ops import KernelSet  # noqa: E402
 from lucebox_jax.sampling import RowParams  # noqa: E402
@@ -88,18 +89,22 @@ def main():
     ks = KernelSet.resolve(args.kernels)
     eng = Engine(cfg, ops.prepare_weights(random_weights(cfg, jax.random.key(0), group_size=32, asymmetric=True), ks),
                  ks)
+    vocab = None
     if args.head == "random":
         hc = EagleConfig.for_target(cfg)
         head = init_head(hc, jax.random.key(1))
     else:
-        hc, head, _ = load_head(args.head or shipped_head_dir(HEAD_OF.get(args.preset, args.preset)))
-    drafter = EagleDrafter(hc, head, eng)
+        folder = args.head or shipped_head_dir(HEAD_OF.get(args.preset, args.preset))
+        hc, head, _ = load_head(folder)
+        vocab = load_draft_vocab(folder, hc.vocab_size)
+    drafter = EagleDrafter(hc, head, eng, draft_vocab=vocab)
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, cfg.vocab_size - 10, args.prompt_len)]
     lengths = [int(x) for x in args.tokens.split(",")]
     accepted = dict(kv.split("=") for kv in args.accepted.split(",") if kv)
-    env = {k: os.environ[k] for k in ("LUCEBOX_ATTN_DECODE", "LUCEBOX_TREE_ROWS") if k in os.environ}
-    print(f"device {jax.devices()[0]}; {args.preset} random int4 weights; kernels {ks.describe()}; env {env}",
-          flush=True)
+    env = {k: os.environ[k] for k in ("LUCEBOX_ATTN_DECODE", "LUCEBOX_TREE_ROWS", "LUCEBOX_DRAFT_VOCAB")
+           if k in os.environ}
+    print(f"device {jax.devices()[0]}; {args.preset} random int4 weights; kernels {ks.describe()}; env {env}; "
+          f"draft vocabulary {drafter.draft_vocab_size or 'whole'}", flush=True)
     plain, _, plain_runs = ms_per_step(eng, None, prompt, lengths, args.reps)
     print(f"plain: {plain:.4f} ms a step (runs {[round(x, 4) for x in plain_runs]})", flush=True)
     rows = [{"config": "plain", "ms_per_step": plain, "runs": plain_runs}]

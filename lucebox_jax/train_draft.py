@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
-from .drafters.eagle import (EagleConfig, EagleDrafter, HeadWeights, fuse_features, head_out, head_qkv, init_head,
-                             load_head, save_head)
+from .drafters.eagle import (USE_DRAFT_VOCAB, EagleConfig, EagleDrafter, HeadWeights, fuse_features, head_out,
+                             head_qkv, init_head, load_draft_vocab, load_head, save_head)
 from .engine import Engine, bucket
 from .model import forward, init_cache, rms_norm
 from .quant import dequantize
@@ -273,13 +273,14 @@ def _save_state(path, head, opt_state, step):
 
 def heldout_acceptance(engine: Engine, hc: EagleConfig, head: HeadWeights, prompts, max_new: int, k: int = 4,
                        batch: int = 8, tree: int | None = None, tree_beam: int | None = None,
-                       temperature: float = 0.0) -> dict:
+                       temperature: float = 0.0, draft_vocab=None) -> dict:
     """Speculative decoding with the head (a chain of k, or a tree of `tree` nodes) on held-out prompts: mean
     accepted drafts per step, and (greedy) whether the output equals plain greedy decoding token for token.
     temperature > 0 samples (row r seeded r) and skips the plain run."""
     from .speculative import SpeculativeDecoder
 
-    spec = SpeculativeDecoder(engine, EagleDrafter(hc, head, engine), k, tree=tree, tree_beam=tree_beam)
+    spec = SpeculativeDecoder(engine, EagleDrafter(hc, head, engine, draft_vocab=draft_vocab), k, tree=tree,
+                              tree_beam=tree_beam)
     hist, same, rows = None, 0, 0
     for i in range(0, len(prompts), batch):
         ps = prompts[i: i + batch]
@@ -328,11 +329,13 @@ def evaluate_heads(engine: Engine, tokenizer, args, log) -> int:
             return 2
         t0 = time.perf_counter()
         t = args.eval_temperature
+        dv = load_draft_vocab(folder, hc.vocab_size)  # (the drafter ignores it under LUCEBOX_DRAFT_VOCAB=0)
         row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k,
-                                                           temperature=t)}
+                                                           temperature=t, draft_vocab=dv)}
         if args.tree:
             row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k, tree=args.tree,
-                                             tree_beam=args.tree_beam, temperature=t)
+                                             tree_beam=args.tree_beam, temperature=t, draft_vocab=dv)
+        row["draft_vocab"] = None if dv is None or not USE_DRAFT_VOCAB else len(dv)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
         log(f"{folder}: {row['chain']['mean_accepted']} accepted drafts/step (chain)"

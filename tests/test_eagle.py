@@ -207,3 +207,48 @@ def test_shipped_head_through_llm_with_phases(smol):
         assert smol.last_stats["token_ids"] == ref
     finally:
         smol.spec, smol.time_phases = None, False
+
+
+def test_draft_vocabulary(eng, tmp_path):
+    """A draft vocabulary (EAGLE-3's): the head's drafts come from its LM head's columns of those ids only. The whole
+    vocabulary as one drafts what no vocabulary does; half of it drafts only its own ids (greedy and sampled, chain and
+    tree; q is zero elsewhere) and stays lossless; the file is checked on load."""
+    from lucebox_jax.drafters.eagle import VOCAB_FILE, load_draft_vocab
+    from lucebox_jax.sampling import RowParams, SamplingParams
+
+    hc = EagleConfig.for_target(CFG)
+    head = init_head(hc, jax.random.key(5))
+    ps = tiny_prompts([10, 17, 5], seed=6)
+    first = jnp.asarray([3, 9, 200], jnp.int32)
+    start = jnp.asarray([len(p) for p in ps], jnp.int32)
+    half = np.sort(np.random.default_rng(0).choice(CFG.vocab_size, CFG.vocab_size // 2, replace=False)).astype(np.int32)
+    rps = [RowParams.from_params([SamplingParams(temperature=t, seed=r) for r in range(3)]) for t in (0.0, 1.0)]
+    out = {}
+    for name, vocab in (("none", None), ("all", np.arange(CFG.vocab_size, dtype=np.int32)), ("half", half)):
+        d = EagleDrafter(hc, head, eng, draft_vocab=vocab)
+        assert d.draft_vocab_size == (None if vocab is None else len(vocab))
+        st = d.init_state(ps, 64, first=first)
+        out[name] = [jax.jit(lambda st, rp, d=d: d.propose(d.params, st, first, first, start, rp, 4))(st, rp)[:2]
+                     for rp in rps]
+        toks, *_ = jax.jit(lambda st, d=d: d.propose_tree(d.params, st, first, start, 3, 3))(st)
+        out[name].append(toks)
+    for (dn, qn), (da, qa) in zip(out["none"][:2], out["all"][:2]):
+        assert np.array_equal(np.asarray(dn), np.asarray(da)) and np.allclose(np.asarray(qn), np.asarray(qa), atol=1e-5)
+    assert np.array_equal(np.asarray(out["none"][2]), np.asarray(out["all"][2]))
+    outside = np.ones(CFG.vocab_size, bool)
+    outside[half] = False
+    for drafts in (out["half"][0][0], out["half"][1][0], out["half"][2]):
+        assert not outside[np.asarray(drafts)].any()
+    assert not np.asarray(out["half"][1][1])[..., outside].any()  # the sampled drafts' q: zero outside the vocabulary
+    assert not np.array_equal(np.asarray(out["none"][0][0]), np.asarray(out["half"][0][0]))  # it drafted otherwise
+    d = EagleDrafter(hc, head, eng, draft_vocab=half)
+    ref = run(eng, None, ps, 16)
+    assert run(eng, SpeculativeDecoder(eng, d, 3), ps, 16) == ref
+    assert run(eng, SpeculativeDecoder(eng, d, 3, tree=6), ps, 16) == ref
+    assert load_draft_vocab(str(tmp_path), CFG.vocab_size) is None
+    for bad in (half[::-1], np.asarray([0, CFG.vocab_size]), np.asarray([[1, 2]]), np.zeros(0, np.int32)):
+        np.save(os.path.join(tmp_path, VOCAB_FILE), bad)
+        with pytest.raises(DraftError, match="draft vocabulary|sorted distinct"):
+            load_draft_vocab(str(tmp_path), CFG.vocab_size)
+    np.save(os.path.join(tmp_path, VOCAB_FILE), half)
+    assert np.array_equal(load_draft_vocab(str(tmp_path), CFG.vocab_size), half)

@@ -32,9 +32,14 @@ from .. import ops
 from ..engine import Engine, pow2_at_least
 from ..model import (VERIFY_AS_DECODE_ROWS, EmbedTable, _decode_rows, _write_kv, forward, init_cache, normed_linear,
                      one_deferred_row, rms_norm, rms_norm_deferred, rope)
+from ..quant import Int8Array, QuantArray
 from .base import DraftError, Drafter, register
 
 HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
+# optional: the token ids the head drafts among (sorted int32), so that a draft step's LM head reads only their columns
+# (EAGLE-3's draft vocabulary); LUCEBOX_DRAFT_VOCAB=0 ignores it (A/B)
+VOCAB_FILE = "draft_vocab.npy"
+USE_DRAFT_VOCAB = os.environ.get("LUCEBOX_DRAFT_VOCAB", "1") != "0"
 FORMAT = "lucebox-eagle-1"
 # K - 1 draft steps as straight-line code instead of a loop: an XLA while loop inside the speculative loop's body
 # splits the body's CUDA graph around it (LUCEBOX_DRAFT_UNROLL=0 keeps the `lax.scan` loop, for A/B)
@@ -172,9 +177,26 @@ def head_out(hc: EagleConfig, hw: HeadWeights, g, o):
     return h + _mm(act.astype(h.dtype), hw.w_down)
 
 
-def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None):
-    """h [..., D] -> logits [..., V] (float32) through the target's LM head."""
-    return normed_linear(h, hw.out_norm, hc.rms_eps, lm_head, kernels=kernels).astype(jnp.float32)
+def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None, slot=None):
+    """h [..., D] -> logits [..., V] (float32) through the target's LM head; with a draft vocabulary `lm_head` holds
+    only its columns and `slot` [V] is each token's column there (-1: not in it, logit -inf). (A gather by slot, which
+    XLA fuses into the logits' consumer, rather than a scatter into a -inf array: two kernels a draft step fewer.)"""
+    logits = normed_linear(h, hw.out_norm, hc.rms_eps, lm_head, kernels=kernels).astype(jnp.float32)
+    if slot is None:
+        return logits
+    return jnp.where(slot >= 0, jnp.take(logits, jnp.maximum(slot, 0), axis=-1), -jnp.inf)
+
+
+def draft_lm_head(lm_head, ids):
+    """The LM head's columns `ids` (exact: quantized columns keep their codes and scales), or None for a weight a
+    kernel repacked or a tensor-parallel one (drafts then read the whole head)."""
+    if isinstance(lm_head, (Int8Array, QuantArray)):
+        return type(lm_head)(codes=lm_head.codes[:, ids], scales=lm_head.scales[:, ids],
+                             mins=None if lm_head.mins is None else lm_head.mins[:, ids],
+                             group_size=lm_head.group_size)
+    if isinstance(lm_head, (jax.Array, np.ndarray)) and lm_head.ndim == 2:
+        return lm_head[:, ids]
+    return None
 
 
 def _cached_layer(hc, hw, cache, g, emb, start, decode_kernel: str | None = None):
@@ -217,6 +239,14 @@ class EagleParams:
     head: HeadWeights
     embed: EmbedTable  # the target's (same arrays)
     lm_head: object  # the target's
+    draft_head: object = None  # the LM head's columns of the draft vocabulary (None: drafts read lm_head)
+    draft_slot: jax.Array | None = None  # [V] each token's column in draft_head, -1 outside the vocabulary
+
+    def draft_logits(self, hc, h, kernels):
+        """The head's logits [..., V] for drafting: over the draft vocabulary when there is one."""
+        if self.draft_head is None:
+            return head_logits(hc, self.head, h, self.lm_head, kernels)
+        return head_logits(hc, self.head, h, self.draft_head, kernels, self.draft_slot)
 
 
 @struct.dataclass
@@ -230,7 +260,8 @@ class EagleState:
 class EagleDrafter(Drafter):
     """The draft head on a target `Engine`; `hc` static, `head` weights as data (see the module docstring)."""
 
-    def __init__(self, hc: EagleConfig, head: HeadWeights, engine: Engine, name: str = "eagle"):
+    def __init__(self, hc: EagleConfig, head: HeadWeights, engine: Engine, name: str = "eagle",
+                 draft_vocab: np.ndarray | None = None):
         cfg = engine.cfg
         if (hc.vocab_size, hc.dim, hc.target_layers) != (cfg.vocab_size, cfg.dim, cfg.n_layers):
             raise DraftError(f"draft head {name} was trained for a target with vocabulary {hc.vocab_size}, width "
@@ -242,8 +273,14 @@ class EagleDrafter(Drafter):
         self.hidden_layers = self.hc.feature_layers
         self.key = ("eagle", self.hc, cfg, engine.kernels)
         dt = jnp.dtype(cfg.dtype)
-        self._params = EagleParams(for_inference(head, dt), engine.weights.embed,
-                                   engine.weights.head)
+        sub = None if draft_vocab is None or not USE_DRAFT_VOCAB else draft_lm_head(engine.weights.head, draft_vocab)
+        self.draft_vocab_size = None if sub is None else len(draft_vocab)
+        slot = None
+        if sub is not None:
+            slot = np.full(cfg.vocab_size, -1, np.int32)
+            slot[draft_vocab] = np.arange(len(draft_vocab), dtype=np.int32)
+        self._params = EagleParams(for_inference(head, dt), engine.weights.embed, engine.weights.head, sub,
+                                   None if slot is None else jnp.asarray(slot))
         self.cost_ratio = 0.1  # one layer + the LM head of a 30-layer target (adaptive K only)
 
     @property
@@ -288,14 +325,14 @@ class EagleDrafter(Drafter):
 
         hc, ks = self.hc, self.target.kernels
         dt = jnp.dtype(hc.dtype)
-        d1, q1 = draw(head_logits(hc, params.head, state.h_last, params.lm_head, ks), rp, start + 1)
+        d1, q1 = draw(params.draft_logits(hc, state.h_last, ks), rp, start + 1)
 
         def step(carry, j):
             kc, vc, h, d = carry
             emb = params.embed.lookup(d[:, None], dt)
             h2, (kc, vc) = _cached_layer(hc, params.head, (kc, vc), h[:, None], emb, start - 1 + j,
                                          appending_decode(ks))
-            d2, q2 = draw(head_logits(hc, params.head, h2[:, 0], params.lm_head, ks), rp, start + j + 1)
+            d2, q2 = draw(params.draft_logits(hc, h2[:, 0], ks), rp, start + j + 1)
             return (kc, vc, h2[:, 0], d2), (d2, q2)
 
         if k == 1:
@@ -329,7 +366,7 @@ class EagleDrafter(Drafter):
         b, w = tok.shape[0], width
         n_nodes = nodes or w * depth
         sample = rp is not None and n_nodes == w * depth
-        logits = head_logits(hc, params.head, state.h_last, params.lm_head, self.target.kernels)
+        logits = params.draft_logits(hc, state.h_last, self.target.kernels)
         score, ftok, q_root = draft_children(logits[:, None], rp, start + 1, w, sample)
         score, ftok = score[:, 0], ftok[:, 0]  # [B, W]
         g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
@@ -363,7 +400,7 @@ class EagleDrafter(Drafter):
                 extra = {"in_cache": True}
             o = tree_attention(q, kc, vc, start, kw, vw, anc, scale=1.0 / math.sqrt(hc.head_dim), **extra)
             h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
-            logits = head_logits(hc, params.head, h, params.lm_head, self.target.kernels)
+            logits = params.draft_logits(hc, h, self.target.kernels)
             top_lp, top_tok, q_front = draft_children(logits, rp, start + 1 + d, w, sample)  # [B, W, W]
             fronts.append(frontier)
             q_fronts.append(q_front)
@@ -494,6 +531,21 @@ def load_head(folder: str) -> tuple[EagleConfig, HeadWeights, dict]:
     return hc, head, meta
 
 
+def load_draft_vocab(folder: str, vocab_size: int) -> np.ndarray | None:
+    """The head's draft vocabulary (`VOCAB_FILE`: sorted, distinct token ids), or None where the folder has none."""
+    path = os.path.join(folder, VOCAB_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        ids = np.load(path)
+    except Exception as e:  # noqa: BLE001 - a corrupt file ends in one clear error
+        raise DraftError(f"cannot read the draft vocabulary {path}: {e}") from e
+    if (ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or len(ids) == 0 or ids.min() < 0
+            or ids.max() >= vocab_size or np.any(np.diff(ids) <= 0)):
+        raise DraftError(f"{path}: not sorted distinct token ids below the vocabulary size {vocab_size}")
+    return ids.astype(np.int32)
+
+
 def shipped_head_dir(model_name: str) -> str:
     """Where the head of a model (GGUF name without extension) is looked for: the repository's checkpoints/ first,
     then $LUCEBOX_CHECKPOINTS."""
@@ -515,4 +567,5 @@ def _eagle(arg: str, engine: Engine, tokenizer=None) -> Drafter:
             raise DraftError("eagle without a path needs to know the loaded model's name; use eagle:PATH")
         folder = shipped_head_dir(name)
     hc, head, _ = load_head(folder)
-    return EagleDrafter(hc, head, engine, f"eagle:{os.path.basename(os.path.normpath(folder))}")
+    return EagleDrafter(hc, head, engine, f"eagle:{os.path.basename(os.path.normpath(folder))}",
+                        load_draft_vocab(folder, hc.vocab_size))
