@@ -179,8 +179,8 @@ def head_out(hc: EagleConfig, hw: HeadWeights, g, o):
 
 def head_logits(hc: EagleConfig, hw: HeadWeights, h, lm_head, kernels=None, slot=None):
     """h [..., D] -> logits [..., V] (float32) through the target's LM head; with a draft vocabulary `lm_head` holds
-    only its columns and `slot` [V] is each token's column there (-1: not in it, logit -inf). (A gather by slot, which
-    XLA fuses into the logits' consumer, rather than a scatter into a -inf array: two kernels a draft step fewer.)"""
+    only its columns and `slot` [V] is each token's column there (-1: not in it, logit -inf). (A gather by slot: one
+    kernel a draft step, where a scatter into a -inf array made two.)"""
     logits = normed_linear(h, hw.out_norm, hc.rms_eps, lm_head, kernels=kernels).astype(jnp.float32)
     if slot is None:
         return logits
