@@ -266,6 +266,14 @@ def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
         rows = prompt * (1 if name == "decode" else args.batch)
         a, kw = capture(engine, "generate_loop", lambda: cpu_llm.generate(rows, greedy))
         return compile_for(dev, engine.generate_loop, (cfg, ks), (w, *a[3:]), **kw)
+    if name in ("prefill", "spec-prefill"):  # one prompt's prefill (with the head's feature layers: spec-prefill)
+        if name == "spec-prefill":
+            cpu_llm.spec = SpeculativeDecoder.create(cpu_llm.engine, "eagle", args.k, tokenizer=cpu_llm.tokenizer)
+        try:
+            a, kw = capture(engine, "prefill_step", lambda: cpu_llm.generate(prompt, greedy))
+        finally:
+            cpu_llm.spec = None
+        return compile_for(dev, engine.prefill_step, (cfg, ks), (w, *a[3:]), **kw)
     if name in ("chain", "tree"):
         tree = args.tree if name == "tree" else None
         cpu_llm.spec = SpeculativeDecoder.create(cpu_llm.engine, "eagle", args.k, tokenizer=cpu_llm.tokenizer,
@@ -290,7 +298,8 @@ def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
             return compile_for(dev, scheduler.decode_chunk, (cfg, ks), (w, *a[3:]), **kw)
         drafter = build("eagle", gpu_engine)
         return compile_for(dev, spec_batch.spec_decode_chunk, (cfg, ks, drafter), (w, drafter.params, *a[5:]), **kw)
-    raise SystemExit(f"unknown configuration {name!r}: decode, batch, chain, tree, slots, spec-slots")
+    raise SystemExit(f"unknown configuration {name!r}: decode, batch, chain, tree, slots, spec-slots, prefill, "
+                     "spec-prefill")
 
 
 def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
