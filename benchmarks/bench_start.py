@@ -4,9 +4,10 @@
 `bench_spec.py` on the real model measured a prompt's start (cache, prefill, first token) at ~8 ms on the H100 beside
 a ~0.78 ms decode step: on a 96-token answer that is a tenth of plain decoding and a sixth of speculative decoding,
 which dilutes every speculative speedup. This says where those milliseconds go, with random int4 weights at the
-preset's shapes (nothing to carry) and the shipped draft head: each piece of `LLM._generate_batch`'s start timed alone
-and waited on (`dispatch` = until the call returned, `total` = until its result was ready), the whole start as the
-engine runs it (one wait at the end), and the GPU kernels of the prefill and of the whole start (profiler).
+preset's shapes (nothing to carry) and the shipped draft head: each piece of `LLM._generate_batch`'s start, and the decode loop's
+call, timed alone and waited on (`dispatch` = until the call returned, `total` = until its result was ready); the
+whole start as the engine runs it (one wait at the end); the GPU kernels of the whole start (profiler). Environment
+knobs (LUCEBOX_PREFILL_GRAPHS, XLA_FLAGS) A/B by process.
 
 Usage: python benchmarks/bench_start.py [--lens 45,100,200] [--reps 20] [--no-profile]
 CPU smoke test: --preset tiny --head random --lens 8 --reps 2 --no-profile
@@ -49,7 +50,8 @@ def timed(fn):
 
 
 def pieces(eng, spec, prompt, max_new=96):
-    """One start, each piece waited on: {piece: (dispatch ms, total ms)}."""
+    """One generation, each piece waited on: {piece: (dispatch ms, total ms)}; `loop` is the decode loop's call
+    (for eagle one `spec_chunk` call, after `spec_init`: the buffers and the head's start)."""
     rp = RowParams.from_params([SamplingParams(temperature=0.0)], static=True)
     need = len(prompt) + max_new
     hidden_layers = spec.drafter.hidden_layers if spec else None
@@ -59,9 +61,12 @@ def pieces(eng, spec, prompt, max_new=96):
     last, cache, h = res[0], res[2], (res[3] if spec else None)
     seen, *out["seen"] = timed(lambda: eng.new_seen([prompt]))
     (first, seen), *out["first_token"] = timed(lambda: eng.first_token(last, rp, [len(prompt)], seen))
-    if spec is not None:
-        _, *out["head_start"] = timed(lambda: spec.drafter.init_state([prompt], cache.max_len, first=first.tokens,
-                                                                      hidden=h))
+    if spec is None:
+        _, *out["loop"] = timed(lambda: eng.loop(cache, first, rp, seen, set(), np.full(1, max_new)))
+        return out
+    (state, stop, row_max, _), *out["spec_init"] = timed(
+        lambda: spec._init(cache, [prompt], first, seen, [set()], np.full(1, max_new), 0, h))
+    _, *out["loop"] = timed(lambda: spec._chunk(state, rp, stop, row_max, 1 << 30, spec.ks[0], 0))
     return out
 
 
