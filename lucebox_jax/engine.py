@@ -183,6 +183,23 @@ def sample_first(logits, rp: RowParams, positions, seen, n_logprobs: int = 0):
     return out, _mark_seen(seen, out.tokens)
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_len", "n_logprobs", "hidden_layers"),
+                   compiler_options=ONE_SHOT_OPTIONS)
+def start_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, packed, rp: RowParams, max_len: int,
+               n_logprobs: int = 0, hidden_layers: tuple | None = None):
+    """A generation's whole start as one program, for prompts of one prefill chunk: a new cache, the prefill, the
+    prompts' seen-token mask and the first token. packed [B, T + 1] int32: each row's right-padded tokens, then its
+    length (one host-to-device copy). Returns (first StepOut, cache, seen[, hidden [B, T, F]])."""
+    tokens, lens = packed[:, :-1], packed[:, -1]
+    b, t = tokens.shape
+    out = prefill_step(cfg, kernels, weights, init_cache(cfg, b, max_len), tokens, jnp.zeros_like(lens), lens,
+                       hidden_layers=hidden_layers)
+    valid = jnp.arange(t)[None, :] < lens[:, None]
+    seen = jnp.zeros((b, cfg.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(valid)
+    first, seen = sample_first(out[0], rp, lens, seen, n_logprobs=n_logprobs)
+    return (first, out[1], seen) + tuple(out[2:])
+
+
 def _decode(cfg, kernels, weights, cache, tokens, rp, seen, n_logprobs):
     pos = cache.lengths
     logits, cache = forward(cfg, kernels, weights, cache, tokens[:, None], pos, last_only=jnp.zeros_like(pos))
@@ -295,6 +312,30 @@ class Engine:
         if quant.ROW_INVARIANT:  # the length a speculative run would take (speculative.SpeculativeDecoder.cache_len)
             needed += quant.ROW_INVARIANT_CACHE_MARGIN
         return min(pow2_at_least(needed, MIN_CACHE), pow2_at_least(self.cfg.max_context, MIN_CACHE))
+
+    def start(self, prompts: list[list[int]], max_len: int, rp: RowParams, n_logprobs: int = 0,
+              hidden_layers: tuple | None = None):
+        """A generation's start: a new cache of `max_len` positions, the prompts' prefill, their seen-token mask and
+        the first token -> (first StepOut, cache, seen, hidden or None). Prompts of one prefill chunk run as one
+        program (`start_step`: one copy to the device, one dispatch); longer ones, or a tensor-parallel engine, as
+        the steps one by one."""
+        lens = [len(p) for p in prompts]
+        if max(lens) > PREFILL_CHUNK or self.parallel is not None:
+            cache = self.new_cache(len(prompts), max_len)
+            last, _, cache, *hidden = self.prefill(cache, prompts, hidden_layers=hidden_layers)
+            first, seen = self.first_token(last, rp, lens, self.new_seen(prompts), n_logprobs)
+            return first, cache, seen, (hidden[0] if hidden else None)
+        check_fits(self.cfg, len(prompts), max_len)
+        t = bucket(max(lens))
+        packed = np.zeros((len(prompts), t + 1), np.int32)
+        for r, p in enumerate(prompts):
+            packed[r, : len(p)] = p
+            packed[r, t] = len(p)
+        key = ("start", len(prompts), t, max_len, n_logprobs, hidden_layers)
+        first, cache, seen, *hidden = self._timed_first(key, start_step, self.cfg, self.kernels, self.weights, packed,
+                                                        rp, max_len, n_logprobs=n_logprobs,
+                                                        hidden_layers=hidden_layers)
+        return first, cache, seen, (hidden[0] if hidden else None)
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], all_logits: bool = False,
                 hidden_layers: tuple | None = None):

@@ -163,3 +163,27 @@ def test_loop_checking_every_few_steps_gives_the_same_output(eng):
     assert list(np.asarray(ca)) == list(np.asarray(cb)) == [free[0].index(free[0][5]) + 1, 7, 16]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("hidden_layers", [None, (0, 1)])
+def test_start_in_one_program_equals_its_steps(eng, hidden_layers):
+    """`Engine.start` (cache, prefill, seen mask and first token as one program) gives what the steps give one by
+    one: the same first token and log-probability, cache contents and lengths, seen mask, hidden states. Shorter rows
+    are padded with id 0, which no prompt holds: the padding must not mark it seen."""
+    ps = [[max(int(t), 1) for t in p] for p in prompts([5, 13, 9], seed=4)]  # no id 0: the padding's id
+    rp = RowParams.from_params([SamplingParams(temperature=0.8, seed=s, repetition_penalty=1.3) for s in (1, 2, 3)])
+    max_len = 64
+    first, cache, seen, hidden = eng.start(ps, max_len, rp, 2, hidden_layers)
+    c2 = eng.new_cache(3, max_len)
+    last, _, c2, *h2 = eng.prefill(c2, ps, hidden_layers=hidden_layers)
+    f2, s2 = eng.first_token(last, rp, [len(p) for p in ps], eng.new_seen(ps), 2)
+    np.testing.assert_array_equal(np.asarray(first.tokens), np.asarray(f2.tokens))
+    np.testing.assert_allclose(np.asarray(first.logprob), np.asarray(f2.logprob), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(seen), np.asarray(s2))
+    assert not np.asarray(seen)[:, 0].any() and np.asarray(seen).sum() > 0
+    np.testing.assert_array_equal(np.asarray(cache.lengths), [len(p) for p in ps])
+    for a, b in zip(jax.tree.leaves(cache), jax.tree.leaves(c2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert (hidden is None) == (hidden_layers is None)
+    if hidden is not None:
+        np.testing.assert_array_equal(np.asarray(hidden), np.asarray(h2[0]))
