@@ -314,19 +314,24 @@ class Engine:
         return min(pow2_at_least(needed, MIN_CACHE), pow2_at_least(self.cfg.max_context, MIN_CACHE))
 
     def start(self, prompts: list[list[int]], max_len: int, rp: RowParams, n_logprobs: int = 0,
-              hidden_layers: tuple | None = None):
+              hidden_layers: tuple | None = None, prefill=None, min_chunk: int = 1):
         """A generation's start: a new cache of `max_len` positions, the prompts' prefill, their seen-token mask and
-        the first token -> (first StepOut, cache, seen, hidden or None). Prompts of one prefill chunk run as one
-        program (`start_step`: one copy to the device, one dispatch); longer ones, or a tensor-parallel engine, as
-        the steps one by one."""
+        the first token -> (first StepOut, cache, seen, hidden or None). Prompts of one prefill chunk (padded to at
+        least `min_chunk` tokens) run as one program (`start_step`: one copy to the device, one dispatch); longer
+        ones, or a tensor-parallel engine, as the steps one by one, the prefill by `prefill(cache, prompts,
+        hidden_layers) -> (last logits, cache, hidden or None)` (default: `Engine.prefill`'s chunks)."""
         lens = [len(p) for p in prompts]
-        if max(lens) > PREFILL_CHUNK or self.parallel is not None:
+        if max(max(lens), min_chunk) > PREFILL_CHUNK or self.parallel is not None:
             cache = self.new_cache(len(prompts), max_len)
-            last, _, cache, *hidden = self.prefill(cache, prompts, hidden_layers=hidden_layers)
+            if prefill is None:
+                last, _, cache, *hidden = self.prefill(cache, prompts, hidden_layers=hidden_layers)
+                hidden = hidden[0] if hidden else None
+            else:
+                last, cache, hidden = prefill(cache, prompts, hidden_layers)
             first, seen = self.first_token(last, rp, lens, self.new_seen(prompts), n_logprobs)
-            return first, cache, seen, (hidden[0] if hidden else None)
+            return first, cache, seen, hidden
         check_fits(self.cfg, len(prompts), max_len)
-        t = bucket(max(lens))
+        t = bucket(max(max(lens), min_chunk))
         packed = np.zeros((len(prompts), t + 1), np.int32)
         for r, p in enumerate(prompts):
             packed[r, : len(p)] = p

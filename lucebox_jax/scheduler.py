@@ -248,12 +248,12 @@ class Scheduler:
         slot_ids = slots + [slots[-1]] * (p - n)
         self._ensure_state(max(len(r.stop_ids) for r in reqs))
         prompts = [r.ids for r in reqs]
-        cache = eng.new_cache(p, _prefill_len(max(self.min_prefill_len, max(len(x) for x in prompts))))
         feats = self.spec.drafter.hidden_layers if self.spec is not None else None  # a draft head's start
-        last, cache, hidden = self._prefill(cache, prompts, feats)
         rp = RowParams.from_params([r.params for r in reqs], fixed=self.sampling)
         lens = np.array([len(x) for x in prompts], np.int32)
-        first, seen = eng.first_token(last, rp, lens, eng.new_seen(prompts))
+        first, cache, seen, hidden = eng.start(  # (the chunk as `_chunk_lens` gives it)
+            prompts, _prefill_len(max(self.min_prefill_len, int(lens.max()))), rp, 0, feats, prefill=self._prefill,
+            min_chunk=max(self.min_prefill_len, 1))
         k = self.state.stop_ids.shape[1]
         stop = np.full((p, k), -1, np.int32)
         for i, r in enumerate(reqs):
