@@ -29,8 +29,8 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lucebox_jax import SamplingParams, ops  # noqa: E402
-from lucebox_jax.drafters.eagle import (EagleConfig, EagleDrafter, init_head, load_draft_vocab, load_head,  # noqa: E402
-                                        shipped_head_dir)
+from lucebox_jax.drafters.eagle import (USE_DRAFT_VOCAB, EagleConfig, EagleDrafter, init_head,  # noqa: E402
+                                        load_draft_vocab, load_head, shipped_head_dir)
 from lucebox_jax.engine import Engine  # noqa: E402
 from lucebox_jax.ops import KernelSet  # noqa: E402
 from lucebox_jax.sampling import RowParams  # noqa: E402
@@ -96,7 +96,7 @@ def main():
     else:
         folder = args.head or shipped_head_dir(HEAD_OF.get(args.preset, args.preset))
         hc, head, _ = load_head(folder)
-        vocab = load_draft_vocab(folder, hc.vocab_size)
+        vocab = load_draft_vocab(folder, hc.vocab_size) if USE_DRAFT_VOCAB else None
     drafter = EagleDrafter(hc, head, eng, draft_vocab=vocab)
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, cfg.vocab_size - 10, args.prompt_len)]
     lengths = [int(x) for x in args.tokens.split(",")]

@@ -329,13 +329,13 @@ def evaluate_heads(engine: Engine, tokenizer, args, log) -> int:
             return 2
         t0 = time.perf_counter()
         t = args.eval_temperature
-        dv = load_draft_vocab(folder, hc.vocab_size)  # (the drafter ignores it under LUCEBOX_DRAFT_VOCAB=0)
+        dv = load_draft_vocab(folder, hc.vocab_size) if USE_DRAFT_VOCAB else None  # (as the `eagle` drafter reads it)
         row = {"head": folder, "chain": heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k,
                                                            temperature=t, draft_vocab=dv)}
         if args.tree:
             row["tree"] = heldout_acceptance(engine, hc, head, held, args.holdout_tokens, k=args.k, tree=args.tree,
                                              tree_beam=args.tree_beam, temperature=t, draft_vocab=dv)
-        row["draft_vocab"] = None if dv is None or not USE_DRAFT_VOCAB else len(dv)
+        row["draft_vocab"] = None if dv is None else len(dv)
         row["seconds"] = round(time.perf_counter() - t0, 1)
         print(json.dumps(row), flush=True)
         log(f"{folder}: {row['chain']['mean_accepted']} accepted drafts/step (chain)"

@@ -37,9 +37,10 @@ from .base import DraftError, Drafter, register
 
 HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
 # optional: the token ids the head drafts among (sorted int32), so that a draft step's LM head reads only their columns
-# (EAGLE-3's draft vocabulary); LUCEBOX_DRAFT_VOCAB=0 ignores it (A/B)
+# (EAGLE-3's draft vocabulary). Read only under LUCEBOX_DRAFT_VOCAB=1: on the H100 the shipped head's 16,384 made a
+# chain step no faster (1.098 against 1.087 ms; benchmarks/RESULTS.md) and accept 0.5% fewer drafts.
 VOCAB_FILE = "draft_vocab.npy"
-USE_DRAFT_VOCAB = os.environ.get("LUCEBOX_DRAFT_VOCAB", "1") != "0"
+USE_DRAFT_VOCAB = os.environ.get("LUCEBOX_DRAFT_VOCAB", "0") == "1"
 FORMAT = "lucebox-eagle-1"
 # K - 1 draft steps as straight-line code instead of a loop: an XLA while loop inside the speculative loop's body
 # splits the body's CUDA graph around it (LUCEBOX_DRAFT_UNROLL=0 keeps the `lax.scan` loop, for A/B)
@@ -273,7 +274,7 @@ class EagleDrafter(Drafter):
         self.hidden_layers = self.hc.feature_layers
         self.key = ("eagle", self.hc, cfg, engine.kernels)
         dt = jnp.dtype(cfg.dtype)
-        sub = None if draft_vocab is None or not USE_DRAFT_VOCAB else draft_lm_head(engine.weights.head, draft_vocab)
+        sub = None if draft_vocab is None else draft_lm_head(engine.weights.head, draft_vocab)
         self.draft_vocab_size = None if sub is None else len(draft_vocab)
         slot = None
         if sub is not None:
@@ -569,4 +570,4 @@ def _eagle(arg: str, engine: Engine, tokenizer=None) -> Drafter:
         folder = shipped_head_dir(name)
     hc, head, _ = load_head(folder)
     return EagleDrafter(hc, head, engine, f"eagle:{os.path.basename(os.path.normpath(folder))}",
-                        load_draft_vocab(folder, hc.vocab_size))
+                        load_draft_vocab(folder, hc.vocab_size) if USE_DRAFT_VOCAB else None)
