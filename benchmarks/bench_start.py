@@ -2,12 +2,13 @@
 """What a prompt's start costs before its first decode step, piece by piece, at the embedded model's shapes.
 
 `bench_spec.py` on the real model measured a prompt's start (cache, prefill, first token) at ~8 ms on the H100 beside
-a ~0.78 ms decode step: on a 96-token answer that is a tenth of plain decoding and a sixth of speculative decoding,
-which dilutes every speculative speedup. This says where those milliseconds go, with random int4 weights at the
-preset's shapes (nothing to carry) and the shipped draft head: each piece of `LLM._generate_batch`'s start, and the decode loop's
-call, timed alone and waited on (`dispatch` = until the call returned, `total` = until its result was ready); the
-whole start as the engine runs it (one wait at the end); the GPU kernels of the whole start (profiler). Environment
-knobs (LUCEBOX_PREFILL_GRAPHS, XLA_FLAGS) A/B by process.
+a ~0.78 ms decode step: on a 96-token answer a tenth of plain decoding and a sixth of speculative decoding, which
+dilutes every speculative speedup. This says where those milliseconds go, with random int4 weights at the preset's
+shapes (nothing to carry) and the shipped draft head: each step of a start (a new cache, the prefill, the seen-token
+mask, the first token; for eagle the speculative state and the head's start) and the decode loop's call, timed alone
+and waited on (`dispatch` = until the call returned, `total` = until its result was ready); the whole start as those
+steps (one wait at the end) and as the one program the engine runs for a short prompt (`Engine.start`); the GPU
+kernels of the start as steps (profiler: GPU busy time against its span). `probe_h2d.py` times one copy and one call.
 
 Usage: python benchmarks/bench_start.py [--lens 45,100,200] [--reps 20] [--no-profile]
 CPU smoke test: --preset tiny --head random --lens 8 --reps 2 --no-profile

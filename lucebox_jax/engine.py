@@ -103,16 +103,9 @@ def free_memory() -> int | None:
     return None
 
 
-# Programs that run once a generation (a new cache, the prefill, the first token) with new buffers each call: XLA's
-# CUDA graphs (command buffers) are re-recorded on the host for new buffers, which in a prefill costs more than the
-# graph saves. LUCEBOX_START_GRAPHS=0 compiles these without them (the decode loops keep theirs: same buffers every
-# step). On the CPU the option is inert.
-ONE_SHOT_OPTIONS = ({"xla_gpu_enable_command_buffer": ""} if os.environ.get("LUCEBOX_START_GRAPHS", "1") == "0"
-                    else None)
-
 # one compiled call makes a cache's 2 x n_layers zero buffers: built eagerly, each was an op dispatch of its own plus a
 # host-to-device copy of its fill value, 18-25 ms of host time per scheduler admission on the H200 (bench_admit.py)
-_new_cache_jit = jax.jit(init_cache, static_argnums=(0, 1, 2), compiler_options=ONE_SHOT_OPTIONS)
+_new_cache_jit = jax.jit(init_cache, static_argnums=(0, 1, 2))
 
 
 def check_fits(cfg: ModelConfig, batch: int, max_len: int):
@@ -157,7 +150,7 @@ def _mark_seen(seen, tok):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "all_logits", "hidden_layers"),
-                   donate_argnames=("cache",), compiler_options=ONE_SHOT_OPTIONS)
+                   donate_argnames=("cache",))
 def prefill_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, cache: KVCache, tokens, start, n_valid,
                  all_logits: bool = False, hidden_layers: tuple | None = None):
     """Write tokens [B, T] at positions start[b]..; rows advance by n_valid[b]. Returns (logits, cache):
@@ -176,15 +169,14 @@ def join_chunks(parts: list):
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
 
 
-@functools.partial(jax.jit, static_argnames=("n_logprobs",), compiler_options=ONE_SHOT_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("n_logprobs",))
 def sample_first(logits, rp: RowParams, positions, seen, n_logprobs: int = 0):
     """Sample the first completion token from prefill logits [B, V]."""
     out = _sample_out(logits, rp, positions, seen, n_logprobs)
     return out, _mark_seen(seen, out.tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_len", "n_logprobs", "hidden_layers"),
-                   compiler_options=ONE_SHOT_OPTIONS)
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_len", "n_logprobs", "hidden_layers"))
 def start_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, packed, rp: RowParams, max_len: int,
                n_logprobs: int = 0, hidden_layers: tuple | None = None):
     """A generation's whole start as one program, for prompts of one prefill chunk: a new cache, the prefill, the

@@ -29,7 +29,7 @@ import numpy as np
 from flax import serialization, struct
 
 from .. import ops
-from ..engine import ONE_SHOT_OPTIONS, Engine, pow2_at_least
+from ..engine import Engine, pow2_at_least
 from ..model import (VERIFY_AS_DECODE_ROWS, EmbedTable, _decode_rows, _write_kv, forward, init_cache, normed_linear,
                      one_deferred_row, rms_norm, rms_norm_deferred, rope)
 from ..quant import Int8Array, QuantArray
@@ -490,8 +490,7 @@ def _head_start(hc, params, hidden, nxt, first, last, cache_len):
 
 
 _eagle_init = jax.jit(_eagle_init_impl, static_argnames=("cfg", "kernels", "hc", "cache_len"))
-_head_start_jit = jax.jit(_head_start_from, static_argnames=("hc", "cache_len", "t"),
-                          compiler_options=ONE_SHOT_OPTIONS)
+_head_start_jit = jax.jit(_head_start_from, static_argnames=("hc", "cache_len", "t"))
 
 
 # ---------------------------------------------------------------------------------------------------- files
