@@ -7,8 +7,7 @@ dilutes every speculative speedup. This says where those milliseconds go, with r
 shapes (nothing to carry) and the shipped draft head: each step of a start (a new cache, the prefill, the seen-token
 mask, the first token; for eagle the speculative state and the head's start) and the decode loop's call, timed alone
 and waited on (`dispatch` = until the call returned, `total` = until its result was ready); the whole start as those
-steps (one wait at the end) and as the one program the engine runs for a short prompt (`Engine.start`, the draft
-head's start in it); the GPU
+steps (one wait at the end) and as the one program the engine runs for a short prompt (`Engine.start`); the GPU
 kernels of the start as steps (profiler: GPU busy time against its span). `probe_h2d.py` times one copy and one call.
 
 Usage: python benchmarks/bench_start.py [--lens 45,100,200] [--reps 20] [--no-profile]
@@ -90,14 +89,17 @@ def whole(eng, spec, prompt, max_new=96):
 
 
 def one_call(eng, spec, prompt, max_new=96):
-    """The start as the engine now runs it for a short prompt (`Engine.start`: one program, the head's start in it)
+    """The start as the engine now runs it for a short prompt (`Engine.start`: one program) and the head's start
     (ms, one wait)."""
     rp = RowParams.from_params([SamplingParams(temperature=0.0)], static=True)
     need = len(prompt) + max_new
     t0 = time.perf_counter()
-    st = eng.start([prompt], spec.cache_len(need) if spec else eng.cache_len_for(need), rp, 0,
-                   drafter=spec.drafter if spec else None)
-    jax.block_until_ready(st)
+    first, cache, seen, h = eng.start([prompt], spec.cache_len(need) if spec else eng.cache_len_for(need), rp, 0,
+                                      spec.drafter.hidden_layers if spec else None)
+    outs = [first, cache]
+    if spec is not None:
+        outs.append(spec.drafter.init_state([prompt], cache.max_len, first=first.tokens, hidden=h))
+    jax.block_until_ready(outs)
     return 1e3 * (time.perf_counter() - t0)
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -177,23 +176,12 @@ def sample_first(logits, rp: RowParams, positions, seen, n_logprobs: int = 0):
     return out, _mark_seen(seen, out.tokens)
 
 
-class Start(NamedTuple):
-    """What a generation's start leaves: the first tokens, the filled cache, the seen-token mask, and for a draft
-    head the prefill's features of its layers (`hidden`, [B, T, F]) or, started in the same program, its state."""
-    first: StepOut
-    cache: KVCache
-    seen: jax.Array
-    hidden: jax.Array | None = None
-    dstate: object = None
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_len", "n_logprobs", "hidden_layers", "drafter"))
+@functools.partial(jax.jit, static_argnames=("cfg", "kernels", "max_len", "n_logprobs", "hidden_layers"))
 def start_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, packed, rp: RowParams, max_len: int,
-               n_logprobs: int = 0, hidden_layers: tuple | None = None, drafter=None, dparams=None) -> Start:
+               n_logprobs: int = 0, hidden_layers: tuple | None = None):
     """A generation's whole start as one program, for prompts of one prefill chunk: a new cache, the prefill, the
-    prompts' seen-token mask and the first token, and with a `drafter` that has `start_state` its state too (from the
-    prefill's features of `hidden_layers`). packed [B, T + 1] int32: each row's right-padded tokens, then its length
-    (one host-to-device copy)."""
+    prompts' seen-token mask and the first token. packed [B, T + 1] int32: each row's right-padded tokens, then its
+    length (one host-to-device copy). Returns (first StepOut, cache, seen[, hidden [B, T, F]])."""
     tokens, lens = packed[:, :-1], packed[:, -1]
     b, t = tokens.shape
     out = prefill_step(cfg, kernels, weights, init_cache(cfg, b, max_len), tokens, jnp.zeros_like(lens), lens,
@@ -201,10 +189,7 @@ def start_step(cfg: ModelConfig, kernels: KernelSet, weights: Weights, packed, r
     valid = jnp.arange(t)[None, :] < lens[:, None]
     seen = jnp.zeros((b, cfg.vocab_size), bool).at[jnp.arange(b)[:, None], tokens].max(valid)
     first, seen = sample_first(out[0], rp, lens, seen, n_logprobs=n_logprobs)
-    hidden = out[2] if hidden_layers else None
-    if drafter is None:
-        return Start(first, out[1], seen, hidden)
-    return Start(first, out[1], seen, None, drafter.start_state(dparams, tokens, lens, first.tokens, hidden, max_len))
+    return (first, out[1], seen) + tuple(out[2:])
 
 
 def _decode(cfg, kernels, weights, cache, tokens, rp, seen, n_logprobs):
@@ -321,18 +306,13 @@ class Engine:
         return min(pow2_at_least(needed, MIN_CACHE), pow2_at_least(self.cfg.max_context, MIN_CACHE))
 
     def start(self, prompts: list[list[int]], max_len: int, rp: RowParams, n_logprobs: int = 0,
-              hidden_layers: tuple | None = None, prefill=None, min_chunk: int = 1, drafter=None) -> Start:
+              hidden_layers: tuple | None = None, prefill=None, min_chunk: int = 1):
         """A generation's start: a new cache of `max_len` positions, the prompts' prefill, their seen-token mask and
-        the first token (a `Start`). Prompts of one prefill chunk (padded to at least `min_chunk` tokens) run as one
-        program (`start_step`: one copy to the device, one dispatch), with a `drafter` that has `start_state` its
-        state too (its `hidden_layers`); longer ones, or a tensor-parallel engine, as the steps one by one (the
-        prefill by `prefill(cache, prompts, hidden_layers) -> (last logits, cache, hidden or None)`, default
-        `Engine.prefill`'s chunks), leaving `hidden` for the drafter's `init_state`."""
+        the first token -> (first StepOut, cache, seen, hidden or None). Prompts of one prefill chunk (padded to at
+        least `min_chunk` tokens) run as one program (`start_step`: one copy to the device, one dispatch); longer
+        ones, or a tensor-parallel engine, as the steps one by one, the prefill by `prefill(cache, prompts,
+        hidden_layers) -> (last logits, cache, hidden or None)` (default: `Engine.prefill`'s chunks)."""
         lens = [len(p) for p in prompts]
-        if drafter is not None and drafter.start_state is None:
-            drafter = None
-        if drafter is not None:
-            hidden_layers = drafter.hidden_layers
         if max(max(lens), min_chunk) > PREFILL_CHUNK or self.parallel is not None:
             cache = self.new_cache(len(prompts), max_len)
             if prefill is None:
@@ -341,17 +321,18 @@ class Engine:
             else:
                 last, cache, hidden = prefill(cache, prompts, hidden_layers)
             first, seen = self.first_token(last, rp, lens, self.new_seen(prompts), n_logprobs)
-            return Start(first, cache, seen, hidden)
+            return first, cache, seen, hidden
         check_fits(self.cfg, len(prompts), max_len)
         t = bucket(max(max(lens), min_chunk))
         packed = np.zeros((len(prompts), t + 1), np.int32)
         for r, p in enumerate(prompts):
             packed[r, : len(p)] = p
             packed[r, t] = len(p)
-        key = ("start", len(prompts), t, max_len, n_logprobs, hidden_layers, drafter)
-        return self._timed_first(key, start_step, self.cfg, self.kernels, self.weights, packed, rp, max_len,
-                                 n_logprobs=n_logprobs, hidden_layers=hidden_layers, drafter=drafter,
-                                 dparams=None if drafter is None else drafter.params)
+        key = ("start", len(prompts), t, max_len, n_logprobs, hidden_layers)
+        first, cache, seen, *hidden = self._timed_first(key, start_step, self.cfg, self.kernels, self.weights, packed,
+                                                        rp, max_len, n_logprobs=n_logprobs,
+                                                        hidden_layers=hidden_layers)
+        return first, cache, seen, (hidden[0] if hidden else None)
 
     def prefill(self, cache: KVCache, prompts: list[list[int]], all_logits: bool = False,
                 hidden_layers: tuple | None = None):

@@ -258,24 +258,22 @@ class LLM:
         want_prompt_lp = any(r.params.prompt_logprobs is not None for r in reqs)
         n_lp = max([r.params.logprobs or 0 for r in reqs] + [0])
         rp = RowParams.from_params([dataclasses.replace(r.params, seed=r.seed) for r in reqs], static=True)
-        hidden, dstate, per_pos = None, None, [None] * b
+        hidden, per_pos = None, [None] * b
         if want_prompt_lp:  # every position's logits come back to the host
             last, per_pos, cache, *h = eng.prefill(eng.new_cache(b, max_len), [r.ids for r in reqs],
                                                    all_logits=True, hidden_layers=self._draft_features())
             hidden = h[0] if h else None
             first, seen = eng.first_token(last, rp, [len(r.ids) for r in reqs], eng.new_seen([r.ids for r in reqs]),
                                           n_lp)
-        else:  # (a draft head starts in the same program)
-            first, cache, seen, hidden, dstate = eng.start([r.ids for r in reqs], max_len, rp, n_lp,
-                                                           self._draft_features(),
-                                                           drafter=self.spec.drafter if self.spec else None)
+        else:
+            first, cache, seen, hidden = eng.start([r.ids for r in reqs], max_len, rp, n_lp, self._draft_features())
         if self.time_phases:
             jax.block_until_ready(first)
             t_prefill = time.perf_counter() - t0 - (eng.compile_seconds - c0)
         stop_ids = [self.stop_ids_for(r.params) for r in reqs]  # per row: one row's stops never end another
         if self.spec is not None:
             bufs, count, cache = self.spec.loop(cache, [r.ids for r in reqs], first, rp, seen, stop_ids, row_max, n_lp,
-                                                hidden, dstate)
+                                                hidden)
         else:
             bufs, count, cache, _ = eng.loop(cache, first, rp, seen, stop_ids, row_max, n_lp)
         toks, count = np.asarray(bufs.tokens), np.asarray(count)

@@ -251,7 +251,7 @@ class Scheduler:
         feats = self.spec.drafter.hidden_layers if self.spec is not None else None  # a draft head's start
         rp = RowParams.from_params([r.params for r in reqs], fixed=self.sampling)
         lens = np.array([len(x) for x in prompts], np.int32)
-        first, cache, seen, hidden, _ = eng.start(  # (the chunk as `_chunk_lens` gives it)
+        first, cache, seen, hidden = eng.start(  # (the chunk as `_chunk_lens` gives it)
             prompts, _prefill_len(max(self.min_prefill_len, int(lens.max()))), rp, 0, feats, prefill=self._prefill,
             min_chunk=max(self.min_prefill_len, 1))
         k = self.state.stop_ids.shape[1]

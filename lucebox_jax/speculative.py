@@ -385,8 +385,7 @@ class SpeculativeDecoder:
         return pow2_at_least(needed + extra, MIN_CACHE)
 
     # -------------------------------------------------------------------------------------------- state
-    def _init(self, cache: KVCache, prompts, first: StepOut, seen, stop_ids, row_max, n_logprobs, hidden=None,
-              dstate=None):
+    def _init(self, cache: KVCache, prompts, first: StepOut, seen, stop_ids, row_max, n_logprobs, hidden=None):
         b = len(prompts)
         needed = max(len(p) for p in prompts) + int(np.max(row_max)) + self.span + 1
         if cache.max_len < needed:
@@ -400,9 +399,7 @@ class SpeculativeDecoder:
         bufs, done, count, hist, steps = _start_bufs(first, stop, row_max, m=max_new + self.kmax + 1, kmax=self.kmax)
         deng = getattr(self.drafter, "engine", None)
         c0 = deng.compile_seconds if deng is not None else 0.0
-        if dstate is not None:  # started in the target's start program (`Engine.start(drafter=)`)
-            pass
-        elif self.drafter.hidden_layers:  # a draft head starts from the first generated token
+        if self.drafter.hidden_layers:  # a draft head starts from the first generated token
             dstate = self.drafter.init_state(prompts, cache.max_len, first=first.tokens, hidden=hidden)
         else:
             dstate = self.drafter.init_state(prompts, cache.max_len)
@@ -465,13 +462,13 @@ class SpeculativeDecoder:
 
     # -------------------------------------------------------------------------------------------- public
     def loop(self, cache: KVCache, prompts, first: StepOut, rp: RowParams, seen, stop_ids, row_max,
-             n_logprobs: int = 0, hidden=None, dstate=None):
+             n_logprobs: int = 0, hidden=None):
         """Speculative counterpart of `Engine.loop`: returns (bufs [B, max_new, ...], count [B], cache). hidden: the
         prefill's hidden states of `drafter.hidden_layers` (`Engine.prefill(hidden_layers=)`), a draft head's start
-        without a forward of its own; dstate: the drafter's state when `Engine.start(drafter=)` made it."""
+        without a forward of its own."""
         t0 = time.perf_counter()
         state, stop, row_max_d, max_new = self._init(cache, prompts, first, seen, stop_ids, row_max, n_logprobs,
-                                                     hidden, dstate)
+                                                     hidden)
         if self.time_phases:
             jax.block_until_ready(state)
         t1 = time.perf_counter()

@@ -252,21 +252,3 @@ def test_draft_vocabulary(eng, tmp_path):
             load_draft_vocab(str(tmp_path), CFG.vocab_size)
     np.save(os.path.join(tmp_path, VOCAB_FILE), half)
     assert np.array_equal(load_draft_vocab(str(tmp_path), CFG.vocab_size), half)
-
-
-def test_head_starts_inside_the_start_program(eng):
-    """`Engine.start(drafter=)` runs the head's start in the target's start program: the same state as
-    `init_state` from the prefill's features after the steps one by one (rows of different lengths)."""
-    from lucebox_jax.sampling import RowParams, SamplingParams
-
-    hc = EagleConfig.for_target(CFG)
-    d = EagleDrafter(hc, init_head(hc, jax.random.key(7)), eng)
-    ps = tiny_prompts([6, 19, 11], seed=8)
-    rp = RowParams.from_params([SamplingParams(temperature=0.0)] * 3)
-    st = eng.start(ps, 64, rp, drafter=d)
-    assert st.hidden is None and st.dstate is not None
-    ref = eng.start(ps, 64, rp, hidden_layers=d.hidden_layers)
-    np.testing.assert_array_equal(np.asarray(st.first.tokens), np.asarray(ref.first.tokens))
-    want = d.init_state(ps, 64, first=ref.first.tokens, hidden=ref.hidden)
-    for a, b in zip(jax.tree.leaves(st.dstate), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)

@@ -173,7 +173,7 @@ def test_start_in_one_program_equals_its_steps(eng, hidden_layers):
     ps = [[max(int(t), 1) for t in p] for p in prompts([5, 13, 9], seed=4)]  # no id 0: the padding's id
     rp = RowParams.from_params([SamplingParams(temperature=0.8, seed=s, repetition_penalty=1.3) for s in (1, 2, 3)])
     max_len = 64
-    first, cache, seen, hidden, _ = eng.start(ps, max_len, rp, 2, hidden_layers)
+    first, cache, seen, hidden = eng.start(ps, max_len, rp, 2, hidden_layers)
     c2 = eng.new_cache(3, max_len)
     last, _, c2, *h2 = eng.prefill(c2, ps, hidden_layers=hidden_layers)
     f2, s2 = eng.first_token(last, rp, [len(p) for p in ps], eng.new_seen(ps), 2)

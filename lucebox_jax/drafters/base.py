@@ -75,10 +75,6 @@ class Drafter:
     def init_state(self, prompts: list[list[int]], cache_len: int):
         raise NotImplementedError
 
-    # optional: start_state(params, tokens [B, T], lens [B], first [B], hidden [B, T, F], cache_len) -> state, the
-    # same as init_state but traceable, so that it runs inside the target's start program (`Engine.start`)
-    start_state = None
-
     def propose(self, params, state, prev, tok, start, rp, k: int):
         raise NotImplementedError
 

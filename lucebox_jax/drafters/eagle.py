@@ -312,12 +312,6 @@ class EagleDrafter(Drafter):
         return eng._timed_first(("eagle-init", self.key, b, t, cache_len), _eagle_init, eng.cfg, eng.kernels,
                                 self.hc, eng.weights, self._params, toks, nxt, first, last, cache_len)
 
-    def start_state(self, params, tokens, lens, first, hidden, cache_len):
-        """init_state inside the target's start program: tokens [B, T] the right-padded prompts (zeros past each
-        end), lens [B], first [B] the first generated tokens, hidden [B, T, F] the prefill's features."""
-        nxt = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
-        return _head_start(self.hc, params, hidden, nxt, first, lens - 1, cache_len)
-
     def absorb(self, params, state: EagleState, hidden, tokens, n, start):
         hc = self.hc
         g = fuse_features(hc, params.head, hidden.astype(jnp.dtype(hc.dtype)))
