@@ -23,3 +23,11 @@ def test_bench_start_small(tmp_path, monkeypatch):
     for r in rows:
         assert r["whole_ms"] > 0 and r["one_call_ms"] > 0
         assert all(0 <= r[k][0] <= r[k][1] * 1.01 for k in steps)
+
+
+def test_probe_h2d_runs(capsys):
+    import probe_h2d
+
+    probe_h2d.main()
+    out = capsys.readouterr().out
+    assert "asarray int32[8]" in out and "400 arguments" in out
