@@ -153,6 +153,30 @@ def test_sampled_tree_rejection_sampling_follows_the_target():
     assert np.all(nacc >= 1) and np.all(path[:, 0] == 1)
 
 
+def test_sampled_tree_after_rejections_follows_the_target():
+    """One level of 3 children drawn from a q with full support, so that later children meet a residual p' with
+    mass on them (each rejection renormalises p' and q'): the committed token ~ p, over several p and q."""
+    v, width, n = 8, 3, 30000
+    rng = np.random.default_rng(5)
+    parent, depths = np.zeros(width, np.int32), np.ones(width, np.int32)
+    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (n,) + a.shape)  # noqa: E731
+    rp = RowParams.from_params([SamplingParams(temperature=1.0, seed=s) for s in range(n)])
+    walk = jax.jit(tree_accept, static_argnames=("width", "depth"))
+    crit = 24.322  # chi2.ppf(0.999, 7)
+    for _ in range(3):
+        p = rng.dirichlet(np.ones(v), size=1 + width).astype(np.float32)
+        q = rng.dirichlet(np.full(v, 0.5), size=1 + width).astype(np.float32)
+        tokens = _gumbel_children(np.tile(q[0], (n, 1)), width, rng).astype(np.int32)
+        nacc, path, nxt = (np.asarray(a) for a in walk(
+            bc(np.log(p)), jnp.asarray(tokens), bc(parent), bc(depths), rp, rp.keys, jnp.full((n,), 3, jnp.int32),
+            width=width, depth=1, q=bc(q)))
+        first = np.where(nacc >= 1, tokens[np.arange(n), np.maximum(path[:, 0] - 1, 0)], nxt)
+        obs = np.bincount(first, minlength=v)
+        chi2 = float(((obs - p[0] * n) ** 2 / (p[0] * n)).sum())
+        assert chi2 < crit, (chi2, obs, (p[0] * n).round())
+        assert np.mean((nacc >= 1) & (path[:, 0] >= 2)) > 0.02  # later children were accepted at times
+
+
 def test_draft_children_draws_without_replacement_from_q():
     """Sampled rows' children: the first ~ q, the second ~ q without the first (P(j) = sum_i q_i q_j / (1 - q_i));
     greedy rows keep the most likely tokens; the scores are the sorted top log probabilities (normalised from
