@@ -235,3 +235,58 @@ def test_engine_calls_of_one_shape_lower_once():
         return txt.count("stablehlo.custom_call @mosaic_gpu_v2")
 
     assert kernels_in(12) == kernels_in(4) <= 2  # (the first call, on the jit's own argument, may lower apart)
+
+
+def test_linear_passes_the_next_weight_to_the_kernel_as_an_l2_prefetch():
+    """`linear(..., prefetch=(next weight, fraction))` reaches the kernel: lowered for an abstract H200, the call
+    holds the L2 prefetch of the next weight's boxes (`mg.prefetch_plan`), and without it none; a weight not in the
+    kernel's layout (nothing to plan) is ignored, as are kernels that do not take it."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from test_pallas_lowering import abstract_h200
+
+    sds = jax.ShapeDtypeStruct
+    k, n, g = 4096, 6144, 128
+    w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4), scales=sds((k // g, n), jnp.float16), offsets=None,
+                      group_size=g, bits=4, k_perm=True)
+    nxt = mg.MgpuWeight(codes=sds((k // g, k, g), jnp.int4), scales=sds((k // g, k), jnp.float16), offsets=None,
+                        group_size=g, bits=4, k_perm=True)
+
+    def lowered(prefetch):
+        with abstract_h200():
+            return jax.jit(lambda x, w, p: linear(x, w, kernels=MGPU, prefetch=prefetch(p))).trace(
+                sds((1, k), jnp.bfloat16), w, nxt).lower(lowering_platforms=("cuda",)).as_text()
+
+    tma_l2 = "cp.async.bulk.prefetch.tensor.3d.L2"
+    assert tma_l2 in lowered(lambda p: (p, 0.5))
+    assert tma_l2 not in lowered(lambda p: None)
+    assert tma_l2 not in lowered(lambda p: (jnp.zeros((4, 4)), 1.0))  # not an MgpuWeight: no plan, no prefetch
+
+
+def test_l2_prefetch_spec_is_parsed_and_checked():
+    from lucebox_jax import model
+
+    assert model.parse_l2_prefetch("o, qkv:0.5,") == (("o", 1.0), ("qkv", 0.5))
+    assert model.parse_l2_prefetch("") == ()
+    with pytest.raises(ValueError, match="valid: o, gate_up, down, qkv, head"):
+        model.parse_l2_prefetch("wq")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("at", ["start", "end"])
+def test_l2_prefetch_leaves_the_product_unchanged_on_hopper(at, monkeypatch):
+    """Compiled, with the next weight prefetched (all of it, and a fraction), the product is the float32 one."""
+    if kernels_mgpu.hopper_reason():
+        pytest.skip(kernels_mgpu.hopper_reason())
+    monkeypatch.setattr(kernels_mgpu, "PREFETCH_AT", at)
+    rng = np.random.default_rng(3)
+    k, n = 4096, 6144
+    w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=128)
+    nxt = kernels_mgpu.prepare(quantize_int4(rng.standard_normal((k, k)).astype(np.float32), group_size=128))
+    pw = kernels_mgpu.prepare(w)
+    x = jnp.asarray(rng.standard_normal((1, k)), jnp.bfloat16)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+    for frac in (1.0, 0.3):
+        y = np.asarray(jax.jit(lambda x, w, p: linear(x, w, kernels=MGPU, prefetch=(p, frac)))(x, pw, nxt), np.float32)
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2

@@ -289,3 +289,60 @@ def test_stream_k_lowers_for_h200(k, n, g, bits, m, sym):
             sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt
     assert mg.check_config(k, n, g, bits, dataclasses.replace(cfg, split_k=2))  # stream-K splits K itself
+
+
+@pytest.mark.parametrize("shape,bits,frac", [((32, 4096, 128), 4, 1.0), ((112, 4096, 128), 4, 0.3),
+                                             ((128, 128256, 32), 8, 0.05), ((18, 576, 32), 4, 1.0),
+                                             ((32, 6144, 128), 4, 0.0)])
+def test_prefetch_plan_boxes_tile_the_weight(shape, bits, frac):
+    """The L2 prefetch's boxes: each dimension at most 256 (TMA), at most PREFETCH_BOX bytes of codes, dividing the
+    weight exactly, and the first `frac` of them taken (all of them at 1)."""
+    kg, n, g = shape
+    w = mg.MgpuWeight(codes=jax.ShapeDtypeStruct(shape, jnp.int4 if bits == 4 else jnp.int8),
+                      scales=jax.ShapeDtypeStruct((kg, n), jnp.float16), offsets=None, group_size=g, bits=bits)
+    gb, rows, n_boxes, take = mg.prefetch_plan(w, frac)
+    assert gb <= 256 and rows <= 256 and kg % gb == 0 and n % rows == 0 and n_boxes == n // rows
+    assert gb * rows * g * bits // 8 <= mg.PREFETCH_BOX
+    total = kg // gb * n_boxes
+    assert take == int(np.ceil(total * frac)) and (frac < 1 or take == total)
+
+
+@pytest.mark.parametrize("k,n,g,bits,k_perm,target,at", [
+    (4096, 6144, 128, 4, True, (4096, 4096, 128, 4, False), "end"),  # Lane semantics, asymmetric target (mins)
+    (14336, 4096, 128, 4, True, (4096, 6144, 128, 4, True), "start"),
+    (4096, 4096, 32, 4, False, (4096, 128256, 32, 8, True), "end"),  # Warpgroup semantics, the int8 head next
+    (4096, 128256, 32, 8, False, (4096, 4096, 128, 4, True), "start")])
+def test_l2_prefetch_of_the_next_weight_lowers_for_h200(k, n, g, bits, k_perm, target, at):
+    """`prefetch`: the kernel asks L2 for another weight's codes, scales (and mins) by TMA prefetches, at the start or
+    the end of the kernel, under both lowering semantics; without it the kernel has none. Whether it pays is for the
+    GPU benchmark (`bench_decode.py --variants l2=...`)."""
+    sds = jax.ShapeDtypeStruct
+
+    def weight(k, n, g, bits, sym, perm=False):
+        return mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
+                             scales=sds((k // g, n), jnp.float16), offsets=None if sym else sds((k // g, n), jnp.float16),
+                             group_size=g, bits=bits, k_perm=perm)
+
+    cfg = mg.default_config(1, k, n, g, bits)
+    w, nxt = weight(k, n, g, bits, True, k_perm), weight(*target)
+    texts = []
+    for p in (nxt, None):
+        with abstract_h200():
+            texts.append(jax.jit(lambda x, w, p: mg.mgpu_matmul(x, w, cfg, prefetch=p, prefetch_frac=0.5,
+                                                                prefetch_at=at)).trace(
+                sds((1, k), jnp.bfloat16), w, p).lower(lowering_platforms=("cuda",)).as_text())
+    l2 = "cp.async.bulk.prefetch.tensor.{}d.L2"
+    assert l2.format(3) in texts[0] and l2.format(2) in texts[0]  # codes [K/g, N, g]; scales (and mins) [K/g, N]
+    assert l2.format(3) not in texts[1] and l2.format(2) not in texts[1]
+
+
+def test_prefetch_is_ignored_by_the_interpreter():
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(6)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32, symmetric=False)
+    x = jnp.asarray(rng.standard_normal((2, 256)), jnp.bfloat16)
+    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2)
+    pw = mg.repack(w)
+    y = mg.mgpu_matmul(x, pw, cfg, interpret=plgpu.InterpretGPUParams(), prefetch=pw)
+    assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
