@@ -158,11 +158,12 @@ VARIANTS = {  # how the step is built, beside its kernels (--variants): what the
               "predicate copied to the host inside; 1 step past the 127 timed runs)",
     "l2=SPEC": "each matmul asks L2 for the next one's weight (model.L2_PREFETCH; SPEC: LUCEBOX_L2_PREFETCH's list "
                "with + for commas, e.g. l2=o+qkv or l2=o+gate_up:0.25+qkv, and @start to issue it first)",
+    "attn=SPEC": "the decode attention's knobs (LUCEBOX_ATTN_DECODE with + for commas, e.g. attn=n_split=20+num_stages=1)",
 }
 
 
 def known_variant(v: str) -> bool:
-    return v in VARIANTS or v.startswith("l2=")
+    return v in VARIANTS or v.startswith(("l2=", "attn="))
 
 
 def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_tokens: int, reps: int,
@@ -181,6 +182,9 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
     old_combine = os.environ.get("LUCEBOX_ATTN_COMBINE")
     if variant == "attn_combine_xla":
         os.environ["LUCEBOX_ATTN_COMBINE"] = "xla"
+    old_attn = os.environ.get("LUCEBOX_ATTN_DECODE")
+    if variant.startswith("attn="):
+        os.environ["LUCEBOX_ATTN_DECODE"] = variant[5:].replace("+", ",")
     try:
         return _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profile, variant)
     finally:
@@ -189,10 +193,11 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
         from lucebox_jax import kernels_mgpu
 
         kernels_mgpu.PREFETCH_AT = os.environ.get("LUCEBOX_L2_PREFETCH_AT", "end")
-        if old_combine is None:
-            os.environ.pop("LUCEBOX_ATTN_COMBINE", None)
-        else:
-            os.environ["LUCEBOX_ATTN_COMBINE"] = old_combine
+        for key, old in (("LUCEBOX_ATTN_COMBINE", old_combine), ("LUCEBOX_ATTN_DECODE", old_attn)):
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
 
 
 def _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profile, variant):

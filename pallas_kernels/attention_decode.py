@@ -184,13 +184,23 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_split, nsp):
     plgpu.store(out_ref.at[b, h, gi, :], out.astype(out_ref.dtype))
 
 
-def default_config(b: int, hkv: int, s: int, d: int) -> dict:
+FEW_ROW_HEADS = 32  # below this many (query row, kv head) pairs a call gets one 32-key tile a program
+
+
+def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False) -> dict:
     """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps beyond.
+    Few rows (b * hkv < FEW_ROW_HEADS: a batch-1 step) below 16k: one 32-key tile a program, as many programs as the
+    cache has tiles, the programs' latency chains side by side instead of a loop of 2 tiles; without Triton's
+    software pipeline (num_stages 1) at D >= 128. On the H100 (2026-12-06, context 1,024) the 8B shapes' attention
+    went 256 -> 153 us a step (2.66 -> 2.57 ms) and the embedded shapes' (D = 64, 3 stages) 118 -> 89 us. The
+    row-invariant mode decides by the cache alone (as for one row), so a row rounds the same in any batch.
     The splits are merged by a second Pallas kernel (`combine="kernel"`): on the H200 the 8B batch-1 step ran 400
     tok/s with it against 394 with XLA's 2-4 fusions a call (2026-12-05); LUCEBOX_ATTN_COMBINE=xla restores those."""
     combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "kernel")
     if s >= 16384:
         cfg = dict(block_k=128, n_split=None, num_warps=8, num_stages=3, combine=combine)
+    elif (1 if row_invariant else b) * hkv < FEW_ROW_HEADS:
+        cfg = dict(block_k=32, n_split=_cdiv(s, 32), num_warps=4, num_stages=1 if d >= 128 else 3, combine=combine)
     else:
         cfg = dict(block_k=64, n_split=None, num_warps=4, num_stages=3, combine=combine)
     return {**cfg, **env_overrides()}
@@ -344,7 +354,7 @@ def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale
                             window_rows: int = 0, interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1])
+    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], overrides.get("row_invariant", False))
     cfg.update(overrides)
     return attention_decode(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
                             scale=float(scale), interpret=interpret, **cfg)
