@@ -156,14 +156,13 @@ VARIANTS = {  # how the step is built, beside its kernels (--variants): what the
     "attn_combine_xla": "the decode attention's splits merged by XLA fusions (LUCEBOX_ATTN_COMBINE=xla)",
     "check4": "the loop's condition read every 4 steps, not every step (generate_loop(steps_per_check=4): no "
               "predicate copied to the host inside; 1 step past the 127 timed runs)",
-    "l2=SPEC": "each matmul asks L2 for the next one's weight (model.L2_PREFETCH; SPEC: LUCEBOX_L2_PREFETCH's list "
-               "with + for commas, e.g. l2=o+qkv or l2=o+gate_up:0.25+qkv, and @start to issue it first)",
-    "attn=SPEC": "the decode attention's knobs (LUCEBOX_ATTN_DECODE with + for commas, e.g. attn=n_split=20+num_stages=1)",
+    "attn=SPEC": "the decode attention's knobs (LUCEBOX_ATTN_DECODE with + for commas, e.g. "
+                 "attn=n_split=20+num_stages=1)",
 }
 
 
 def known_variant(v: str) -> bool:
-    return v in VARIANTS or v.startswith(("l2=", "attn="))
+    return v in VARIANTS or v.startswith("attn=")
 
 
 def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_tokens: int, reps: int,
@@ -173,12 +172,6 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
     jax.clear_caches()  # the switches below are read when the step is traced: each variant traces afresh
     model_mod.DEFER_ONE_ROW_NORM = variant != "norm_first"
     model_mod.APPEND_KV = variant != "write_kv_first"
-    if variant.startswith("l2="):
-        from lucebox_jax import kernels_mgpu
-
-        spec, _, at = variant[3:].partition("@")
-        model_mod.L2_PREFETCH = model_mod.parse_l2_prefetch(spec.replace("+", ","))
-        kernels_mgpu.PREFETCH_AT = at or "end"
     old_combine = os.environ.get("LUCEBOX_ATTN_COMBINE")
     if variant == "attn_combine_xla":
         os.environ["LUCEBOX_ATTN_COMBINE"] = "xla"
@@ -189,10 +182,6 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
         return _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profile, variant)
     finally:
         model_mod.DEFER_ONE_ROW_NORM = model_mod.APPEND_KV = True
-        model_mod.L2_PREFETCH = model_mod.parse_l2_prefetch(os.environ.get("LUCEBOX_L2_PREFETCH", ""))
-        from lucebox_jax import kernels_mgpu
-
-        kernels_mgpu.PREFETCH_AT = os.environ.get("LUCEBOX_L2_PREFETCH_AT", "end")
         for key, old in (("LUCEBOX_ATTN_COMBINE", old_combine), ("LUCEBOX_ATTN_DECODE", old_attn)):
             if old is None:
                 os.environ.pop(key, None)
@@ -279,7 +268,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="engine", help="comma list of " + ", ".join(
         f"{k} ({v})" for k, v in VARIANTS.items()))
     args = ap.parse_args(argv)
-    bad = [v for v in args.variants.split(",") if not known_variant(v)]
+    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
     if bad:
         ap.error(f"unknown --variants {bad}; valid: {', '.join(VARIANTS)}")
     if args.kernels_module:

@@ -114,7 +114,7 @@ def prepare_best(w):
     return _repack(w) if _tiles(w) and measured_faster(w) else w
 
 
-def _run(x, w, fallback, prefetch=None):
+def _run(x, w, fallback):
     from pallas_kernels import mgpu_qmatmul as mg
 
     if not isinstance(w, mg.MgpuWeight):  # a shape prepare left in the engine's format
@@ -125,15 +125,7 @@ def _run(x, w, fallback, prefetch=None):
     if cfg is None:
         return mg.reference(x, w)
     num_sms = getattr(jax.devices()[0], "core_count", 132)
-    pf, frac = prefetch if prefetch is not None else (None, 0.0)
-    if not isinstance(pf, mg.MgpuWeight):  # only a weight in this kernel's layout has a plan (`prefetch_plan`)
-        pf, frac = None, 0.0
-    return _matmul_jit()(x, w, cfg, num_sms=num_sms, interpret=INTERPRET, prefetch=pf, prefetch_frac=frac,
-                         prefetch_at=PREFETCH_AT)
-
-
-# where a kernel asks L2 for the next matmul's weight (model.L2_PREFETCH): after its own loads (`end`) or first
-PREFETCH_AT = os.environ.get("LUCEBOX_L2_PREFETCH_AT", "end")
+    return _matmul_jit()(x, w, cfg, num_sms=num_sms, interpret=INTERPRET)
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,7 +134,7 @@ def _matmul_jit():
     function (on this project's CPU, lowering 32 calls took 6.3 s unjitted and 0.4 s so), not once per layer."""
     from pallas_kernels import mgpu_qmatmul as mg
 
-    return jax.jit(mg.mgpu_matmul, static_argnames=("cfg", "num_sms", "interpret", "prefetch_frac", "prefetch_at"))
+    return jax.jit(mg.mgpu_matmul, static_argnames=("cfg", "num_sms", "interpret"))
 
 
 def _pallas_or_xla(op: str):
@@ -162,21 +154,21 @@ def _any_measured_faster() -> tuple[str, ...]:
 
 
 @ops.register("qmatmul", "mgpu", prepare=prepare, usable=hopper_reason)
-def qmatmul_mgpu_op(x, w, prefetch=None):
-    return _run(x, w, prefetch=prefetch, fallback=_pallas_or_xla("qmatmul"))
+def qmatmul_mgpu_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul"))
 
 
 @ops.register("qmatmul8", "mgpu", prepare=prepare, usable=hopper_reason)
-def qmatmul8_mgpu_op(x, w, prefetch=None):
-    return _run(x, w, prefetch=prefetch, fallback=_pallas_or_xla("qmatmul8"))
+def qmatmul8_mgpu_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul8"))
 
 
 # `best`: mgpu per shape where measured faster, Pallas-Triton elsewhere
 @ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster())
-def qmatmul_best_op(x, w, prefetch=None):
-    return _run(x, w, prefetch=prefetch, fallback=_pallas_or_xla("qmatmul"))
+def qmatmul_best_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul"))
 
 
 @ops.register("qmatmul8", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster())
-def qmatmul8_best_op(x, w, prefetch=None):
-    return _run(x, w, prefetch=prefetch, fallback=_pallas_or_xla("qmatmul8"))
+def qmatmul8_best_op(x, w):
+    return _run(x, w, _pallas_or_xla("qmatmul8"))

@@ -111,25 +111,6 @@ TREE_AS_ROWS = int(os.environ.get("LUCEBOX_TREE_ROWS", "32") or "32")
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16
 
-
-def parse_l2_prefetch(spec: str) -> tuple[tuple[str, float], ...]:
-    """`LUCEBOX_L2_PREFETCH` -> ((weight, fraction), ...): a comma list of the weights a layer's matmul asks L2 to
-    hold for the matmul after it (`o` by qkv, `gate_up` by o, `down` by gate_up, `qkv` by the previous layer's down,
-    `head` by the last down), each with an optional `:fraction` of it (default 1). Kernels that cannot prefetch
-    ignore it."""
-    out = []
-    for item in filter(None, (p.strip() for p in spec.split(","))):
-        name, _, frac = item.partition(":")
-        if name not in L2_TARGETS:
-            raise ValueError(f"LUCEBOX_L2_PREFETCH: unknown weight {name!r}; valid: {', '.join(L2_TARGETS)}")
-        out.append((name, float(frac or 1.0)))
-    return tuple(out)
-
-
-L2_TARGETS = ("o", "gate_up", "down", "qkv", "head")
-# the next matmul's weights prefetched into L2 by the one before it (read at trace time; benchmarks A/B it)
-L2_PREFETCH = parse_l2_prefetch(os.environ.get("LUCEBOX_L2_PREFETCH", ""))
-
 _ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda v: jax.nn.gelu(v, approximate=True)}
 
 
@@ -174,14 +155,14 @@ def one_deferred_row(x) -> bool:
     return math.prod(x.shape[:-1]) == 1 and DEFER_ONE_ROW_NORM and not quant.ROW_INVARIANT
 
 
-def normed_linear(x, norm_w, eps, lw_w, bias=None, *, kernels, prefetch=None):
+def normed_linear(x, norm_w, eps, lw_w, bias=None, *, kernels):
     """linear(rms_norm(x, norm_w), lw_w) + bias. For one row the norm's scale is applied after the matmul
     (rms_norm_deferred); for more rows XLA already makes the norm one kernel, and deferring it measured more kernels
     (a tree step: 602 -> 619). Row-invariant mode always normalizes first (bit-exact rows)."""
     if not one_deferred_row(x):
-        return linear(rms_norm(x, norm_w, eps), lw_w, bias, kernels=kernels, prefetch=prefetch)
+        return linear(rms_norm(x, norm_w, eps), lw_w, bias, kernels=kernels)
     h, r = rms_norm_deferred(x, norm_w, eps)
-    y = linear(h, lw_w, kernels=kernels, prefetch=prefetch).astype(jnp.float32) * r
+    y = linear(h, lw_w, kernels=kernels).astype(jnp.float32) * r
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(x.dtype)
@@ -306,14 +287,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     if (tree is not None and not tree_as_decode and t <= TREE_AS_ROWS
             and ops.accepts("attention_decode", kernels.attention_decode, "window_anc")):
         tree_rows_anc = tree[1].reshape(b * t, t)
-    l2 = dict(L2_PREFETCH)
-
-    def ahead(name, weight):  # (weight, fraction) for the matmul before it to prefetch, if asked
-        return (weight, l2[name]) if name in l2 else None
-
     for i, lw in enumerate(w.layers):
-        qkv = normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels,
-                            prefetch=ahead("o", lw.wo))
+        qkv = normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels)
         q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
         q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
         if lw.q_norm is not None:
@@ -344,14 +319,12 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
                         tree_as_decode, tree_extra)
         new_k.append(kc)
         new_v.append(vc)
-        o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels, prefetch=ahead("gate_up", lw.w_gate_up))
+        o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
         x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
-        gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels,
-                                             prefetch=ahead("down", lw.w_down)),
+        gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels),
                                lw.gate_up_groups, (cfg.ffn_dim, cfg.ffn_dim))
         act = _ACTIVATIONS[cfg.activation](gate.astype(jnp.float32))
-        nxt = ahead("qkv", w.layers[i + 1].wqkv) if i + 1 < len(w.layers) else ahead("head", w.head)
-        o = linear((act * up.astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels, prefetch=nxt)
+        o = linear((act * up.astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
         x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))
         if hidden_layers is not None and i in hidden_layers:
             hidden[hidden_layers.index(i)] = x

@@ -230,14 +230,12 @@ if ROW_INVARIANT and "xla_allow_excess_precision" not in os.environ.get("XLA_FLA
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 
 
-def linear(x: jax.Array, w, bias=None, kernels=None, prefetch=None) -> jax.Array:
+def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     """The one matmul dispatch point: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
 
     int4 weights go through the registered `qmatmul` kernel chosen by `kernels` (a `KernelSet`), int8 weights through
     `qmatmul8`, weights a kernel repacked for itself back to that kernel, dense weights through XLA, tensor-parallel
     weights (`parallel.ShardedLinear`) through this same dispatch once per shard.
-    prefetch: (weight, fraction) the next matmul reads, passed to a repacked weight's kernel when it takes
-    `prefetch` (it may ask L2 to hold that part of it); a hint, ignored elsewhere.
     """
     from . import ops
 
@@ -252,9 +250,7 @@ def linear(x: jax.Array, w, bias=None, kernels=None, prefetch=None) -> jax.Array
     elif isinstance(w, Int8Array):
         y = ops.get("qmatmul8", kernels.qmatmul8 if kernels is not None else None)(x2, w)
     elif hasattr(w, "prepared_by"):  # repacked at engine build for one kernel (ops.prepare_weights): back to it
-        extra = {"prefetch": prefetch} if prefetch is not None and ops.accepts(
-            w.matmul_op, w.prepared_by, "prefetch") else {}
-        y = ops.get(w.matmul_op, w.prepared_by)(x2, w, **extra)
+        y = ops.get(w.matmul_op, w.prepared_by)(x2, w)
     elif hasattr(w, "apply_linear"):  # a tensor-parallel weight (parallel.py): this same dispatch, once per shard
         y = w.apply_linear(x2, kernels)
     else:

@@ -289,33 +289,9 @@ def _same_kernel_same_name() -> None:
     dialect.get_or_set_dump_options = named
 
 
-PREFETCH_BOX = 64 << 10  # bytes of codes per L2 prefetch (one TMA instruction; each box dimension at most 256)
-PREFETCH_AT = ("start", "end")
-
-
-def prefetch_plan(w: MgpuWeight, frac: float) -> tuple[int, int, int, int]:
-    """How the CTAs of a kernel split an L2 prefetch of the first `frac` of another weight `w` (the one the next
-    matmul reads): boxes of `gb` groups x `rows` output rows of codes (and their scales), `n_boxes` of them along N,
-    `take` boxes in all, in group-major order. Returns (gb, rows, n_boxes, take)."""
-    import math
-
-    kg, n, g = w.codes.shape
-    rows = math.gcd(n, 256)
-    row_bytes = rows * g * w.bits // 8
-    gb = max([d for d in range(1, min(kg, 256) + 1) if kg % d == 0 and d * row_bytes <= PREFETCH_BOX] or [1])
-    total = kg // gb * (n // rows)
-    return gb, rows, n // rows, max(0, min(total, math.ceil(total * frac)))
-
-
 def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, num_sms: int = 132,
-                interpret: bool = False, prefetch: MgpuWeight | None = None, prefetch_frac: float = 1.0,
-                prefetch_at: str = "end") -> jax.Array:
-    """x [M, K] (bf16) @ w -> [M, N] in x.dtype, on a Hopper GPU (Mosaic GPU).
-
-    prefetch: another weight (the next matmul's) whose first `prefetch_frac` this kernel's CTAs ask L2 to hold
-    (TMA bulk prefetches, no shared memory, nothing waits for them), issued by the memory warpgroup at the kernel's
-    `start` or at its `end` (after its own loads were issued), so that the next kernel's first reads hit L2 while
-    this one's DRAM traffic is ramping or draining. Ignored in interpret mode."""
+                interpret: bool = False) -> jax.Array:
+    """x [M, K] (bf16) @ w -> [M, N] in x.dtype, on a Hopper GPU (Mosaic GPU)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -370,40 +346,11 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
     copy_x = cfg.probe != "skip_x"
 
-    pf_plan = None
-    if prefetch is not None and interpret is False and prefetch_frac > 0:
-        if prefetch_at not in PREFETCH_AT:
-            raise ValueError(f"prefetch_at {prefetch_at!r} is not one of {PREFETCH_AT}")
-        pf_plan = prefetch_plan(prefetch, prefetch_frac)
-        pf_plan = pf_plan if pf_plan[3] else None
-    pre_args = () if pf_plan is None else (prefetch.codes, prefetch.scales) + (
-        (prefetch.offsets,) if prefetch.offsets is not None else ())
-    grid_ctas = stream_ctas if stream else min(num_sms * cfg.ctas_per_sm, work)
-
-    def issue_prefetch(pre_gmem):
-        """The memory warpgroup's share of the L2 prefetch: boxes sm, sm + grid, ... of the plan."""
-        gb, rows, n_boxes, take = pf_plan
-
-        def one(j, carry):
-            b = lax.axis_index("sm") + j * grid_ctas
-            ok = (b < take) & (lax.axis_index("wg") == wgs)
-            gs, ns = pl.ds((b // n_boxes) * gb, gb), pl.ds((b % n_boxes) * rows, rows)
-            plgpu.async_prefetch(pre_gmem[0].at[gs, ns, :], predicate=ok)
-            for ref in pre_gmem[1:]:
-                plgpu.async_prefetch(ref.at[gs, ns], predicate=ok)
-            return carry
-
-        lax.fori_loop(0, -(-take // grid_ctas), one, 0)
-
     def kernel(x_gmem, c_gmem, s_gmem, *rest, out_smem, a_smem=None, x_scratch=None):
-        npre = len(pre_args)  # the prefetched weight's refs come after the inputs, before the output
-        pre_gmem, rest = rest[len(rest) - 1 - npre:len(rest) - 1], rest[:len(rest) - 1 - npre] + rest[-1:]
         if asym:
             mn_gmem, out_gmem = rest
         else:
             (out_gmem,), mn_gmem = rest, None
-        if pf_plan is not None and prefetch_at == "start":
-            issue_prefetch(pre_gmem)
         if cfg.pdl and not lhs_smem:
             # Launched early (PDL), before the kernel that writes x has finished: the weights do not depend on it, so
             # this CTA's first work item's first `steps` steps of codes go to L2 now; nothing reads x before the wait
@@ -580,15 +527,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     args.append(x_gmem.at[toks, kr])
                 pipeline(body, context)(*args, allocations=allocs)
 
-        if pf_plan is not None and prefetch_at == "end":
-            issue_prefetch(pre_gmem)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     out_shape = (parts, xr, n) if parts > 1 else (xr, n)
     f = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
-        grid=(grid_ctas,),
+        grid=(stream_ctas if stream else min(num_sms * cfg.ctas_per_sm, work),),
         grid_names=("sm",),
         num_threads=wgs + 1,
         thread_name="wg",
@@ -602,7 +547,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                            **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * g), jnp.bfloat16,
                                                                          transforms=x_tf)})),
     )
-    args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ()) + pre_args
+    args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)
     if stream and parts > 1:
         out = sum_stream_parts(out, written, tt, cta_m)

@@ -182,6 +182,30 @@ def test_attention_decode(b, hq, hkv, s, d, lens, dt, kw):
     assert rel(y, kernels_xla.attention_decode_xla(q, k, v, lengths, scale=scale)) < TOL[dt]
 
 
+def test_attention_decode_default_config_few_rows(monkeypatch):
+    """Few (row, kv head) pairs get one 32-key tile a program (as many splits as tiles), without Triton's pipeline
+    at D >= 128; more pairs keep the looped 64-key tiles; the row-invariant mode decides as for one row; and the
+    one-tile-a-program configuration computes the reference."""
+    from pallas_kernels import attention_decode as ad
+
+    monkeypatch.delenv("LUCEBOX_ATTN_DECODE", raising=False)
+    one = ad.default_config(1, 8, 1280, 128)
+    assert (one["block_k"], one["n_split"], one["num_stages"]) == (32, 40, 1)
+    assert ad.default_config(1, 3, 1280, 64)["num_stages"] == 3  # the embedded shapes kept Triton's pipeline
+    many = ad.default_config(8, 8, 1280, 128)
+    assert (many["block_k"], many["n_split"], many["num_stages"]) == (64, None, 3)
+    assert ad.default_config(8, 8, 1280, 128, row_invariant=True)["n_split"] == 40
+    monkeypatch.setenv("LUCEBOX_ATTN_DECODE", "block_k=64,n_split=10,num_stages=3")  # the old batch-1 choice
+    assert ad.default_config(1, 8, 1280, 128)["block_k"] == 64
+    rng = np.random.default_rng(11)
+    q = jnp.asarray(rng.standard_normal((1, 9, 64)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, 3, 100, 64)), jnp.float32) for _ in range(2))
+    lengths = jnp.asarray([77], jnp.int32)
+    kw = {key: one[key] for key in ("block_k", "num_stages")} | {"n_split": ad._cdiv(100, 32), "combine": "kernel"}
+    y = attention_decode(q, k, v, lengths, scale=0.125, interpret=True, **kw)
+    assert rel(y, attention_decode_reference(q, k, v, lengths, scale=0.125)) < TOL[jnp.float32]
+
+
 @pytest.mark.parametrize("b,hq,hkv,s,d,lens,dt,kw", DCASES[:2] + [(2, 8, 2, 80, 32, [80, 0], jnp.float32,
                                                                       dict(block_k=16, n_split=5))])
 def test_attention_decode_combine_kernel(b, hq, hkv, s, d, lens, dt, kw):
