@@ -184,13 +184,14 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_split, nsp):
     plgpu.store(out_ref.at[b, h, gi, :], out.astype(out_ref.dtype))
 
 
-FEW_ROW_HEADS = 32  # below this many (query row, kv head) pairs a call gets one 32-key tile a program
+FEW_ROW_HEADS = 32  # below this many (query row, kv head) pairs a call gets one 32-key tile a program ...
+FEW_ROW_MAX_SEQ = 2048  # ... in caches up to this long (64 splits; longer ones were not measured so)
 
 
 def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False) -> dict:
     """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps beyond.
-    Few rows (b * hkv < FEW_ROW_HEADS: a batch-1 step) below 16k: one 32-key tile a program, as many programs as the
-    cache has tiles, the programs' latency chains side by side instead of a loop of 2 tiles; without Triton's
+    Few rows (b * hkv < FEW_ROW_HEADS: a batch-1 step), cache up to 2k: one 32-key tile a program, as many programs
+    as the cache has tiles, the programs' latency chains side by side instead of a loop of 2 tiles; without Triton's
     software pipeline (num_stages 1) at D >= 128. On the H100 (2026-12-06, context 1,024) the 8B shapes' attention
     went 256 -> 153 us a step (2.66 -> 2.57 ms) and the embedded shapes' (D = 64, 3 stages) 118 -> 89 us. The
     row-invariant mode decides by the cache alone (as for one row), so a row rounds the same in any batch.
@@ -199,7 +200,7 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "kernel")
     if s >= 16384:
         cfg = dict(block_k=128, n_split=None, num_warps=8, num_stages=3, combine=combine)
-    elif (1 if row_invariant else b) * hkv < FEW_ROW_HEADS:
+    elif (1 if row_invariant else b) * hkv < FEW_ROW_HEADS and s <= FEW_ROW_MAX_SEQ:
         cfg = dict(block_k=32, n_split=_cdiv(s, 32), num_warps=4, num_stages=1 if d >= 128 else 3, combine=combine)
     else:
         cfg = dict(block_k=64, n_split=None, num_warps=4, num_stages=3, combine=combine)

@@ -192,6 +192,7 @@ def test_attention_decode_default_config_few_rows(monkeypatch):
     one = ad.default_config(1, 8, 1280, 128)
     assert (one["block_k"], one["n_split"], one["num_stages"]) == (32, 40, 1)
     assert ad.default_config(1, 3, 1280, 64)["num_stages"] == 3  # the embedded shapes kept Triton's pipeline
+    assert ad.default_config(1, 8, 4096, 128)["n_split"] is None  # a long cache: the looped tiles (not measured)
     many = ad.default_config(8, 8, 1280, 128)
     assert (many["block_k"], many["n_split"], many["num_stages"]) == (64, None, 3)
     assert ad.default_config(8, 8, 1280, 128, row_invariant=True)["n_split"] == 40
