@@ -193,7 +193,7 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     Few rows (b * hkv < FEW_ROW_HEADS: a batch-1 step), cache up to 2k: one 32-key tile a program, as many programs
     as the cache has tiles, the programs' latency chains side by side instead of a loop of 2 tiles; without Triton's
     software pipeline (num_stages 1) at D >= 128. On the H100 (2026-12-06, context 1,024) the 8B shapes' attention
-    went 256 -> 153 us a step (2.66 -> 2.57 ms) and the embedded shapes' (D = 64, 3 stages) 118 -> 89 us. The
+    went 256 -> 154 us a step (2.66 -> 2.58 ms) and the embedded shapes' (D = 64, 3 stages) 118 -> 89 us. The
     row-invariant mode decides by the cache alone (as for one row), so a row rounds the same in any batch.
     The splits are merged by a second Pallas kernel (`combine="kernel"`): on the H200 the 8B batch-1 step ran 400
     tok/s with it against 394 with XLA's 2-4 fusions a call (2026-12-05); LUCEBOX_ATTN_COMBINE=xla restores those."""
