@@ -268,7 +268,7 @@ def main(argv=None):
     ap.add_argument("--variants", default="engine", help="comma list of " + ", ".join(
         f"{k} ({v})" for k, v in VARIANTS.items()))
     args = ap.parse_args(argv)
-    bad = [v for v in args.variants.split(",") if v not in VARIANTS]
+    bad = [v for v in args.variants.split(",") if not known_variant(v)]
     if bad:
         ap.error(f"unknown --variants {bad}; valid: {', '.join(VARIANTS)}")
     if args.kernels_module:

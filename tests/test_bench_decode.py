@@ -16,10 +16,14 @@ def test_bench_decode_variants_small(tmp_path, monkeypatch):
     import bench_decode
 
     monkeypatch.setenv("OUT", str(tmp_path))
-    bench_decode.main(["--small", "--batches", "1", "--variants", "engine,dynamic_sampling,norm_first,check4"])
+    monkeypatch.delenv("LUCEBOX_ATTN_DECODE", raising=False)
+    bench_decode.main(["--small", "--batches", "1", "--variants",
+                       "engine,dynamic_sampling,norm_first,check4,attn=n_split=2+num_stages=1"])
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     by = {r["variant"]: r for r in rows}
-    assert set(by) == {"engine", "dynamic_sampling", "norm_first", "check4"} and all("tok_s" in r for r in rows)
+    assert set(by) == {"engine", "dynamic_sampling", "norm_first", "check4", "attn=n_split=2+num_stages=1"}
+    assert all("tok_s" in r for r in rows)
+    assert "LUCEBOX_ATTN_DECODE" not in os.environ  # the attn= variant's knobs are taken back
     # greedy chosen on the host or on the device, the condition read every step or every 4: the same tokens
     assert by["engine"]["tokens_sha"] == by["dynamic_sampling"]["tokens_sha"] == by["check4"]["tokens_sha"]
     from lucebox_jax import model
