@@ -3,7 +3,8 @@
 # configuration variants timed against the tabled ones and Pallas-Triton in the same call (bench_mgpu.py).
 # Usage on the device (repo root): bash benchmarks/gpu_mgpu_probe.sh   (results under $OUT, one archive probe.tgz)
 # NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_BUDGET (per shape) adjust. ncu segfaulted
-# under this script's first version on 2026-12-03 (fourth session): NCU defaults to 0.
+# under this script's first version on 2026-12-03 (fourth session), on a process's second case: each case now
+# runs in its own ncu process; NCU defaults to 0. NCU_SOURCE=1 adds stall samples per SASS instruction (CSV).
 # FULL_SWEEP=1: also an even spread of MAX_CONFIGS (12) candidate configurations per shape, after the variants;
 # TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
@@ -18,12 +19,29 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
 if [ "${NCU:-0}" = 1 ]; then
   # the sections that say whether the kernel waits on memory, on its own instructions, or on barriers and wgmma
-  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --profile-from-start off \
-    --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-    --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-    --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
-    python3 benchmarks/ncu_mgpu.py ${NCU_CASES:-gate_up down} --reps 1 > "$OUT/ncu.log" 2>&1
-  grep -E "case |  [a-z_0-9]+ \(|Duration|DRAM Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|stalled" "$OUT/ncu.log" | grep -v " 0$" | head -120
+  # one ncu process a case (the fourth session's segfault came on a process's second case)
+  for c in ${NCU_CASES:-gate_up down}; do
+    XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --profile-from-start off \
+      --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+      --section InstructionStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+      --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
+      python3 benchmarks/ncu_mgpu.py "$c" --reps 1 > "$OUT/ncu_${c%%:*}.log" 2>&1
+    echo "ncu rc $? $c"
+    grep -E "case |  [a-z_0-9]+ \(|Duration|DRAM Throughput|Memory Throughput|Warp Cycles Per Issued|Issue Slots Busy|Registers Per|Achieved Occ|Executed Ipc|No Eligible|Grid Size|stalled" "$OUT/ncu_${c%%:*}.log" | grep -v " 0$" | head -60
+  done
+  # NCU_SOURCE=1: the same cases' stall samples per SASS instruction (the full set to a report, then its source page
+  # as CSV): which instructions the compute warps wait on
+  if [ "${NCU_SOURCE:-0}" = 1 ]; then
+    for c in ${NCU_CASES:-gate_up down}; do
+      XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_TIMEOUT:-150}" ncu --clock-control none --profile-from-start off \
+        --set full --import-source no -k regex:mosaic -o "$OUT/ncu_src_${c%%:*}" \
+        python3 benchmarks/ncu_mgpu.py "$c" --reps 1 > "$OUT/ncu_src_${c%%:*}.log" 2>&1
+      echo "ncu source rc $? $c"
+      ncu --import "$OUT/ncu_src_${c%%:*}.ncu-rep" --page source --csv --print-source sass \
+        > "$OUT/ncu_sass_${c%%:*}.csv" 2> "$OUT/ncu_sass_${c%%:*}.err"
+      echo "sass rows $(wc -l < "$OUT/ncu_sass_${c%%:*}.csv")"; head -c 600 "$OUT/ncu_sass_${c%%:*}.csv"; echo
+    done
+  fi
 fi
 # by default (round 6): what bounds the skeleton, on the tabled (scale_after) configurations: no x^T copy; the TMA
 # pipeline and barriers alone, as tabled, deeper, and with larger boxes (round 5 timed skip_scale / skip_convert,

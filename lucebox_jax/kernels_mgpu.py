@@ -93,15 +93,16 @@ def _repack(w):
 
     k, n = w.shape
     g, bits = w.group_size, _bits(w)
-    k_perm = mg.perm_ok(g, bits) and config_for(1, k, n, g, bits).loads == "perm"
-    return _repack_jit()(w, k_perm=k_perm)
+    cfg = config_for(1, k, n, g, bits)
+    k_perm = mg.perm_ok(g, bits) and cfg.loads == "perm"
+    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and cfg.bias_fold)
 
 
 @functools.lru_cache(maxsize=1)
 def _repack_jit():
     from pallas_kernels import mgpu_qmatmul as mg
 
-    return jax.jit(mg.repack, static_argnames="k_perm")  # one jit: a weight shape compiles once, not per layer
+    return jax.jit(mg.repack, static_argnames=("k_perm", "k_split"))  # one jit: a weight shape compiles once, not per layer
 
 
 def prepare(w):

@@ -59,6 +59,11 @@ class MgpuConfig:
     #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
     stream_k: bool = False  # one pipeline per CTA over an equal share of all (tile, K step) steps, crossing tile
     #                         boundaries (see `stream_plan`); with `split_k` 1: it replaces the K splits
+    bias_fold: bool = False  # perm loads + scale_after: codes decoded biased, as c + 136 (a shift and one LOP3 a
+    #                          register, `_decode_biased`; Mosaic's cast takes a PRMT, a LOP3 and a subtract), the
+    #                          bias removed by a second wgmma per group with a constant -136 operand. It asks for
+    #                          the weight in `perm_k(split=True)` order (`repack(k_split=True)`); the kernel follows
+    #                          the weight, as with `loads`
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -87,6 +92,7 @@ class MgpuWeight:
     group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
     bits: int = dataclasses.field(metadata=dict(static=True), default=4)
     k_perm: bool = dataclasses.field(metadata=dict(static=True), default=False)  # codes stored in `perm_k` order
+    k_split: bool = dataclasses.field(metadata=dict(static=True), default=False)  # ... its `split` order (bias_fold)
 
     prepared_by = "mgpu"  # the registered kernel that made it (lucebox_jax.quant.linear dispatches it there)
 
@@ -106,11 +112,16 @@ class MgpuWeight:
         return b + self.scales.size * (sb - 2) + (self.offsets.size * sb if self.offsets is not None else 0)
 
 
-def perm_k(width: int) -> list[int]:
+def perm_k(width: int, split: bool = False) -> list[int]:
     """The stored order of K within each 32 for `loads="perm"`: stored column 8q + e of a 32-chunk holds real column
     8 (e // 2) + 2q + e % 2. Mosaic GPU's upcast layout gives lane q of a row the stored columns 8q..8q+7; its WGMMA
-    layout wants from lane q the real columns 2q, 2q+1 of each 8 (PTX wgmma register fragments)."""
-    one = [8 * (e // 2) + 2 * q + e % 2 for q in range(4) for e in range(8)]
+    layout wants from lane q the real columns 2q, 2q+1 of each 8 (PTX wgmma register fragments). `split` (for
+    `bias_fold`): stored 8q + e holds real 8 (e % 4) + 2q + e // 4, so that register i's pair is nibbles i and i + 4
+    of the 32-bit word (bits 4i and 16 + 4i: one shift puts both at the bottom of their 16-bit halves)."""
+    if split:
+        one = [8 * (e % 4) + 2 * q + e // 4 for q in range(4) for e in range(8)]
+    else:
+        one = [8 * (e // 2) + 2 * q + e % 2 for q in range(4) for e in range(8)]
     return [32 * c + j for c in range(width // 32) for j in one]
 
 
@@ -119,16 +130,21 @@ def perm_ok(g: int, bits: int) -> bool:
     return bits == 4 and g % 64 == 0 and g <= 256
 
 
-def unperm_k(a: jax.Array) -> jax.Array:
+def unperm_k(a: jax.Array, split: bool = False) -> jax.Array:
     """Stored (`perm_k`) order -> real K order along the last axis (a multiple of 32)."""
     *lead, g = a.shape
+    if split:
+        a = a.reshape(*lead, g // 32, 4, 2, 4)  # chunk, lane q, e // 4, e % 4 -> chunk, e % 4, q, e // 4
+        return jnp.transpose(a, (*range(len(lead)), len(lead), len(lead) + 3, len(lead) + 1, len(lead) + 2)
+                             ).reshape(*lead, g)
     a = a.reshape(*lead, g // 32, 4, 4, 2)  # chunk, lane q, pair e // 2, e % 2
     return jnp.swapaxes(a, -3, -2).reshape(*lead, g)
 
 
-def repack(w, k_perm: bool = False) -> MgpuWeight:
+def repack(w, k_perm: bool = False, k_split: bool = False) -> MgpuWeight:
     """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g];
-    `k_perm` (int4, `perm_ok`) stores each group's K in `perm_k` order for `loads="perm"`."""
+    `k_perm` (int4, `perm_ok`) stores each group's K in `perm_k` order for `loads="perm"` (`k_split`: its split
+    order, for `bias_fold`)."""
     g = w.group_size
     offsets = None
     if isinstance(w, QuantArray):
@@ -144,19 +160,22 @@ def repack(w, k_perm: bool = False) -> MgpuWeight:
         offsets = offsets.astype(w.scales.dtype)
     k, n = q.shape
     codes = q.reshape(k // g, g, n).transpose(0, 2, 1)
+    if k_split and not k_perm:
+        raise ValueError("k_split is an order of k_perm: pass both")
     if k_perm:
         if not perm_ok(g, bits):
             raise ValueError(f"k_perm needs int4 codes in groups of 64, 128 or 256, not {bits}-bit g{g}")
-        codes = codes[:, :, jnp.asarray(perm_k(g))]
+        codes = codes[:, :, jnp.asarray(perm_k(g, k_split))]
     codes = codes.astype(jnp.int4) if bits == 4 else codes.astype(jnp.int8)
-    return MgpuWeight(codes=codes, scales=w.scales, offsets=offsets, group_size=g, bits=bits, k_perm=k_perm)
+    return MgpuWeight(codes=codes, scales=w.scales, offsets=offsets, group_size=g, bits=bits, k_perm=k_perm,
+                      k_split=k_split)
 
 
 def dequantize_mgpu(w: MgpuWeight, dtype=jnp.float32) -> jax.Array:
     """The repacked weight as a dense [K, N] array (plain jnp; the reference semantics)."""
     c = w.codes.astype(jnp.float32)  # [K/g, N, g]
     if w.k_perm:
-        c = unperm_k(c)
+        c = unperm_k(c, w.k_split)
     s = w.scales.astype(jnp.float32)[:, :, None]
     v = c * s
     if w.offsets is not None:
@@ -198,6 +217,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"group {g} is narrower than the {min(cfg.tile_t, 64)}-row K step of a {cfg.tile_t}-token tile"
     if cfg.stream_k and (cfg.split_k != 1 or cfg.pdl):
         return "stream_k takes split_k 1 (it splits K itself) and no pdl"
+    if cfg.bias_fold and not (cfg.scale_after and cfg.loads == "perm" and perm_ok(g, bits)):
+        return "bias_fold needs scale_after and perm loads (int4 in groups of 64, 128 or 256)"
     return None
 
 
@@ -260,6 +281,42 @@ def _as_wgmma_layout(a: jax.Array) -> jax.Array:
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return relabel(a)
+
+
+BIAS = 136  # `_decode_biased`'s offset: 0x4300 (128 as bf16, the mantissa counting units) + 8 (the sign bit flipped)
+
+
+def _decode_biased(a: jax.Array) -> jax.Array:
+    """int4 codes [rows, 32j] loaded in the upcast-4x layout, stored in `perm_k(split=True)` order -> bf16 c + BIAS
+    in the WGMMA layout. Register i of a 32-bit word w of 8 codes is (w >> 4i) & 0x000F000F ^ 0x43084308: the codes of
+    nibbles i and i + 4 in the low bits of each 16-bit half, the sign bit flipped, the exponent of 128 set (one SHF
+    and one LOP3; none for i = 0). The caller removes the bias (`bias_fold`)."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+    from jax._src.lib.mlir import ir
+    from jax._src.lib.mlir.dialects import llvm
+    from jax.experimental.mosaic.gpu import utils as mgpu_utils
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.bfloat16, layout=plgpu.Layout.WGMMA))
+    def decode(_, x):
+        i32 = ir.IntegerType.get_signless(32)
+        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        out = np.empty(mgpu.WGMMA_LAYOUT.registers_shape(a.shape), dtype=object)
+        words = {}
+        for idx in np.ndindex(out.shape):
+            src = (idx[0], idx[1] // 4, *idx[2:])
+            if src not in words:
+                words[src] = mgpu_utils.bitcast(x.registers[src], i32)
+            i = idx[1] % 4
+            shift = f"shr.b32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
+            r = llvm.inline_asm(i32, [words[src]],
+                                f"{{ .reg .b32 t; {shift} lop3.b32 $0, t, 0x000F000F, 0x43084308, 0x6a; }}", "=r,r")
+            out[idx] = mgpu_utils.bitcast(r, bf16x2)
+        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return decode(a)
 
 
 def _same_kernel_same_name() -> None:
@@ -338,9 +395,14 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
     scaled = cfg.probe not in ("skip_scale", "skip_convert")  # (skip_x and skip_mma keep the kernel's scaling)
-    after = cfg.scale_after and w.offsets is None and scaled
+    after = (cfg.scale_after or w.k_split) and w.offsets is None and scaled
     wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     loads = load_mode(cfg, w)
+    # like the load path, the decode follows the weight (repacked once, for the M = 1 configuration): a weight in the
+    # split order is decoded biased, with scale_after, whatever this M's configuration says
+    fold = w.k_split and after
+    if w.k_split and w.offsets is not None:
+        raise ValueError("bias_fold (k_split) takes symmetric weights: the offsets would need the bias scaled too")
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 
@@ -393,13 +455,14 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     wq = plgpu.layout_cast(jnp.full((tm, g), 0, jnp.bfloat16), plgpu.Layout.WGMMA)
                 elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
                     wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
-                    wq = unperm_k(wq) if w.k_perm else wq
+                    wq = unperm_k(wq, w.k_split) if w.k_perm else wq
+                    wq = wq + BIAS if fold else wq  # (as `_decode_biased` gives them)
                 elif loads == "wide":
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
                     wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 else:
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                    wq = _as_wgmma_layout(wq.astype(jnp.bfloat16))
+                    wq = _decode_biased(wq) if fold else _as_wgmma_layout(wq.astype(jnp.bfloat16))
                 if not scaled or after:
                     wv = wq
                 else:
@@ -417,12 +480,22 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             def x_rows(j):  # group j's x^T [g, tt]: a transposed view of the K-minor tile
                 return x_smem.at[:, pl.ds(j * g, g)].transpose((1, 0))
 
+            def unbias():  # a constant -BIAS operand: its wgmma against x^T adds -BIAS * (the group's sum of x)
+                minus = jnp.full((tm, g), -BIAS, jnp.bfloat16)
+                if not lhs_smem:
+                    return plgpu.layout_cast(minus, plgpu.Layout.WGMMA)
+                a_smem[lax.axis_index("wg"), gps] = minus
+                plgpu.commit_smem()
+                return a_smem.at[lax.axis_index("wg"), gps]
+
             if after:
                 # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
                 # and conversion overlap group j's wgmma; the first read waits for them all
                 def group_mmas(*gaccs):
                     for j, gacc in enumerate(gaccs):
                         plgpu.wgmma(gacc, operand(j), x_rows(j))
+                        if fold:  # the biased codes' extra BIAS * sum(x), taken out in the same accumulator
+                            plgpu.wgmma(gacc, unbias(), x_rows(j))
                     return tuple(gacc[...] for gacc in gaccs)
 
                 grp_sums = pl.run_scoped(group_mmas, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(gps)])
@@ -542,7 +615,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane if loads == "perm"
                                              and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tt, tm), out_dtype, transforms=out_tf),
-                           **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
+                           **({"a_smem": plgpu.SMEM((wgs, gps + fold, tm, g), jnp.bfloat16, transforms=a_tf)}
                               if lhs_smem else {}),
                            **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * g), jnp.bfloat16,
                                                                          transforms=x_tf)})),

@@ -104,6 +104,61 @@ def test_k_permuted_repack_is_the_same_weight():
         mg.repack(quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32), k_perm=True)
 
 
+def test_split_order_puts_each_register_pair_four_nibbles_apart():
+    """`perm_k(split=True)` (for `bias_fold`): lane q's word holds, at nibbles i and i + 4, the real columns 8i + 2q
+    and 8i + 2q + 1 (the pair its WGMMA register i wants); `unperm_k` undoes it, and the repacked weight
+    dequantizes to the engine's own."""
+    one = mg.perm_k(32, split=True)
+    assert sorted(mg.perm_k(128, split=True)) == list(range(128))
+    for q in range(4):
+        for i in range(4):
+            assert (one[8 * q + i], one[8 * q + i + 4]) == (8 * i + 2 * q, 8 * i + 2 * q + 1)
+    a = jnp.arange(2 * 64).reshape(2, 64)
+    for split in (False, True):
+        np.testing.assert_array_equal(np.asarray(mg.unperm_k(a[:, jnp.asarray(mg.perm_k(64, split))], split)), a)
+    rng = np.random.default_rng(9)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=128, symmetric=True)
+    sw = mg.repack(w, k_perm=True, k_split=True)
+    assert sw.k_split and not np.array_equal(np.asarray(sw.codes, np.int8),
+                                             np.asarray(mg.repack(w, k_perm=True).codes, np.int8))
+    np.testing.assert_array_equal(np.asarray(mg.dequantize_mgpu(sw)), np.asarray(mg.dequantize_mgpu(mg.repack(w))))
+    with pytest.raises(ValueError, match="k_split is an order of k_perm"):
+        mg.repack(w, k_split=True)
+
+
+def test_bias_fold_interprets_like_the_reference_and_lowers():
+    """`bias_fold`: codes decoded as c + 136, the bias taken out by a second wgmma of a constant -136 operand per
+    group. Interpreted (the staged path adds the bias in jnp, so the extra wgmma is what makes it right) against the
+    float32 product, at 3 and 20 rows, also where the configuration and the weight's order disagree; lowered for an
+    abstract H200 on the register path (`_decode_biased`) at the 8B shapes."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(12)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64, symmetric=True)
+    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2, scale_after=True, bias_fold=True)
+    sw = mg.repack(w, k_perm=True, k_split=True)
+    for m in (3, 20):
+        x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+        y = mg.mgpu_matmul(x, sw, dataclasses.replace(cfg, tile_t=16 if m <= 16 else 32),
+                           interpret=plgpu.InterpretGPUParams())
+        assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
+    # the decode follows the weight (repacked for the M = 1 configuration), not this M's configuration
+    plain_cfg = dataclasses.replace(cfg, tile_t=32, scale_after=False, bias_fold=False)
+    for w_run, c in ((sw, plain_cfg), (mg.repack(w, k_perm=True), dataclasses.replace(cfg, tile_t=32))):
+        y = mg.mgpu_matmul(x, w_run, c, interpret=plgpu.InterpretGPUParams())
+        assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
+    assert "bias_fold needs" in mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, scale_after=False))
+    sds = jax.ShapeDtypeStruct
+    for k, n in ((4096, 28672), (14336, 4096)):
+        big = dataclasses.replace(mg.default_config(1, k, n, 128, 4), scale_after=True, bias_fold=True)
+        ws = mg.MgpuWeight(codes=sds((k // 128, n, 128), jnp.int4), scales=sds((k // 128, n), jnp.float16),
+                           offsets=None, group_size=128, bits=4, k_perm=True, k_split=True)
+        with abstract_h200():
+            txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, big)).trace(
+                sds((1, k), jnp.bfloat16), ws).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in txt
+
+
 @pytest.mark.parametrize("loads", mg.LOADS)
 def test_every_load_path_lowers_for_h200(loads):
     """The three ways codes reach wgmma's registers (`mg.LOADS`) lower for an abstract H200 at 8B gate+up, g128."""
