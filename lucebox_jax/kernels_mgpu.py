@@ -28,6 +28,13 @@ INTERPRET = False  # tests set plgpu.InterpretGPUParams() to run the kernel in M
 # LUCEBOX_MGPU_PDL=1 (read at import): every configuration with `pdl` (programmatic dependent launch: a kernel
 # prefetches its first weights while the kernel before it finishes). Off: it made the H200's 8B decode step 20% slower.
 PDL = os.environ.get("LUCEBOX_MGPU_PDL", "") == "1"
+# LUCEBOX_MGPU_DECODE (read at import): how int4 codes on the `perm` load path become bf16. `split` (default):
+# `split_decode` on every configuration that takes it, the weights repacked in the split order (H100, 8B step: the
+# Mosaic-GPU matmuls 2,050 -> 1,983 us, the step -2.6 to -2.8%, in two A/Bs; benchmarks/RESULTS.md); `cast`: Mosaic's
+# own cast, as before; `fold`: `bias_fold` (timed slower: gate+up 25.6 -> 43.8 us)
+DECODE = os.environ.get("LUCEBOX_MGPU_DECODE", "split")
+if DECODE not in ("split", "cast", "fold"):
+    raise ValueError(f"LUCEBOX_MGPU_DECODE={DECODE!r}: one of split, cast, fold")
 MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
 TUNED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels",
                      "mgpu_tuned.json")
@@ -69,6 +76,9 @@ def config_for(m: int, k: int, n: int, g: int, bits: int):
         cfg = mg.MgpuConfig(**entry["cfg"])
         cfg = cfg if mg.check_config(k, n, g, bits, cfg) is None else None
     cfg = cfg or mg.default_config(m, k, n, g, bits)
+    if cfg is not None and DECODE in ("split", "fold"):
+        alt = dataclasses.replace(cfg, **{"split_decode" if DECODE == "split" else "bias_fold": True})
+        cfg = alt if mg.check_config(k, n, g, bits, alt) is None else cfg
     return dataclasses.replace(cfg, pdl=True) if cfg is not None and PDL else cfg
 
 
@@ -95,7 +105,7 @@ def _repack(w):
     g, bits = w.group_size, _bits(w)
     cfg = config_for(1, k, n, g, bits)
     k_perm = mg.perm_ok(g, bits) and cfg.loads == "perm"
-    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and cfg.bias_fold)
+    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and (cfg.bias_fold or cfg.split_decode))
 
 
 @functools.lru_cache(maxsize=1)

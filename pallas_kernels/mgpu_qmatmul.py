@@ -15,7 +15,8 @@ repacked once at load time (`repack`) into a group-major layout whose pipeline s
 Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and offsets,
 and the x rows [tile_t, groups * g] (K-minor; each group's wgmma reads its part as a transposed view, x^T). Per group,
 a compute warpgroup loads its [tile_m, g] codes into registers (one of three paths, `LOADS`: the K-permuted `perm`
-layout lets 32-bit loads land codes where wgmma wants them), converts them to bf16, applies the group's per-row scale
+layout lets 32-bit loads land codes where wgmma wants them), converts them to bf16 (on `perm`, in the `split_decode`
+order, by `_decode_split`'s shift, LOP3 and subtract a register), applies the group's per-row scale
 (and min) as a row broadcast, and issues one wgmma against the group's x^T; the step's wgmmas are waited for once,
 after the last group (`wait_each_group` waits after each, which keeps one group's registers live at a time). With
 `scale_after` (symmetric weights) each group's raw codes go into a fresh accumulator instead (a step's groups all
@@ -59,11 +60,13 @@ class MgpuConfig:
     #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
     stream_k: bool = False  # one pipeline per CTA over an equal share of all (tile, K step) steps, crossing tile
     #                         boundaries (see `stream_plan`); with `split_k` 1: it replaces the K splits
-    bias_fold: bool = False  # perm loads + scale_after: codes decoded biased, as c + 136 (a shift and one LOP3 a
-    #                          register, `_decode_biased`; Mosaic's cast takes a PRMT, a LOP3 and a subtract), the
-    #                          bias removed by a second wgmma per group with a constant -136 operand. It asks for
-    #                          the weight in `perm_k(split=True)` order (`repack(k_split=True)`); the kernel follows
-    #                          the weight, as with `loads`
+    split_decode: bool = False  # perm loads: the weight in `perm_k(split=True)` order (`repack(k_split=True)`), each
+    #                             register decoded by a shift, a LOP3 and a subtract (`_decode_split`), where
+    #                             Mosaic's cast takes a PRMT, a LOP3 and a subtract a register, and a shift a word
+    bias_fold: bool = False  # the same order, with scale_after: codes decoded biased, as c + 136 (no subtract), the
+    #                          bias removed by a second wgmma per group with a constant -136 operand
+    # (both ask for the split order at repack; like `loads`, the kernel then follows the weight: a weight in the split
+    # order takes `_decode_split`, biased only where this configuration folds)
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -92,7 +95,7 @@ class MgpuWeight:
     group_size: int = dataclasses.field(metadata=dict(static=True), default=32)
     bits: int = dataclasses.field(metadata=dict(static=True), default=4)
     k_perm: bool = dataclasses.field(metadata=dict(static=True), default=False)  # codes stored in `perm_k` order
-    k_split: bool = dataclasses.field(metadata=dict(static=True), default=False)  # ... its `split` order (bias_fold)
+    k_split: bool = dataclasses.field(metadata=dict(static=True), default=False)  # ... its `split` order (split_decode)
 
     prepared_by = "mgpu"  # the registered kernel that made it (lucebox_jax.quant.linear dispatches it there)
 
@@ -116,7 +119,7 @@ def perm_k(width: int, split: bool = False) -> list[int]:
     """The stored order of K within each 32 for `loads="perm"`: stored column 8q + e of a 32-chunk holds real column
     8 (e // 2) + 2q + e % 2. Mosaic GPU's upcast layout gives lane q of a row the stored columns 8q..8q+7; its WGMMA
     layout wants from lane q the real columns 2q, 2q+1 of each 8 (PTX wgmma register fragments). `split` (for
-    `bias_fold`): stored 8q + e holds real 8 (e % 4) + 2q + e // 4, so that register i's pair is nibbles i and i + 4
+    `split_decode`, `bias_fold`): stored 8q + e holds real 8 (e % 4) + 2q + e // 4, so that register i's pair is nibbles i and i + 4
     of the 32-bit word (bits 4i and 16 + 4i: one shift puts both at the bottom of their 16-bit halves)."""
     if split:
         one = [8 * (e % 4) + 2 * q + e // 4 for q in range(4) for e in range(8)]
@@ -144,7 +147,7 @@ def unperm_k(a: jax.Array, split: bool = False) -> jax.Array:
 def repack(w, k_perm: bool = False, k_split: bool = False) -> MgpuWeight:
     """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g];
     `k_perm` (int4, `perm_ok`) stores each group's K in `perm_k` order for `loads="perm"` (`k_split`: its split
-    order, for `bias_fold`)."""
+    order, for `split_decode` and `bias_fold`)."""
     g = w.group_size
     offsets = None
     if isinstance(w, QuantArray):
@@ -217,8 +220,10 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"group {g} is narrower than the {min(cfg.tile_t, 64)}-row K step of a {cfg.tile_t}-token tile"
     if cfg.stream_k and (cfg.split_k != 1 or cfg.pdl):
         return "stream_k takes split_k 1 (it splits K itself) and no pdl"
-    if cfg.bias_fold and not (cfg.scale_after and cfg.loads == "perm" and perm_ok(g, bits)):
-        return "bias_fold needs scale_after and perm loads (int4 in groups of 64, 128 or 256)"
+    if (cfg.bias_fold or cfg.split_decode) and not (cfg.loads == "perm" and perm_ok(g, bits)):
+        return "split_decode and bias_fold need perm loads (int4 in groups of 64, 128 or 256)"
+    if cfg.bias_fold and not cfg.scale_after:
+        return "bias_fold needs scale_after (the bias comes out of each group's own accumulator)"
     return None
 
 
@@ -283,14 +288,15 @@ def _as_wgmma_layout(a: jax.Array) -> jax.Array:
     return relabel(a)
 
 
-BIAS = 136  # `_decode_biased`'s offset: 0x4300 (128 as bf16, the mantissa counting units) + 8 (the sign bit flipped)
+BIAS = 136  # `_decode_split`'s offset: 0x4300 (128 as bf16, the mantissa counting units) + 8 (the sign bit flipped)
 
 
-def _decode_biased(a: jax.Array) -> jax.Array:
-    """int4 codes [rows, 32j] loaded in the upcast-4x layout, stored in `perm_k(split=True)` order -> bf16 c + BIAS
-    in the WGMMA layout. Register i of a 32-bit word w of 8 codes is (w >> 4i) & 0x000F000F ^ 0x43084308: the codes of
-    nibbles i and i + 4 in the low bits of each 16-bit half, the sign bit flipped, the exponent of 128 set (one SHF
-    and one LOP3; none for i = 0). The caller removes the bias (`bias_fold`)."""
+def _decode_split(a: jax.Array, biased: bool = False) -> jax.Array:
+    """int4 codes [rows, 32j] loaded in the upcast-4x layout, stored in `perm_k(split=True)` order -> bf16 codes in
+    the WGMMA layout (c + BIAS if `biased`). Register i of a 32-bit word w of 8 codes is (w >> 4i) & 0x000F000F ^
+    0x43084308: the codes of nibbles i and i + 4 in the low bits of each 16-bit half, the sign bit flipped, the
+    exponent of 128 set (one SHF, none for i = 0, and one LOP3), minus 0x43084308 as bf16x2 unless biased (the caller
+    then removes the bias: `bias_fold`)."""
     import jax.experimental.mosaic.gpu as mgpu
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import numpy as np
@@ -311,8 +317,9 @@ def _decode_biased(a: jax.Array) -> jax.Array:
                 words[src] = mgpu_utils.bitcast(x.registers[src], i32)
             i = idx[1] % 4
             shift = f"shr.b32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
-            r = llvm.inline_asm(i32, [words[src]],
-                                f"{{ .reg .b32 t; {shift} lop3.b32 $0, t, 0x000F000F, 0x43084308, 0x6a; }}", "=r,r")
+            last = ("lop3.b32 $0, t, 0x000F000F, 0x43084308, 0x6a;" if biased else
+                    "lop3.b32 t, t, 0x000F000F, 0x43084308, 0x6a; mov.b32 b, 0x43084308; sub.bf16x2 $0, t, b;")
+            r = llvm.inline_asm(i32, [words[src]], f"{{ .reg .b32 t, b; {shift} {last} }}", "=r,r")
             out[idx] = mgpu_utils.bitcast(r, bf16x2)
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
@@ -395,14 +402,14 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
     scaled = cfg.probe not in ("skip_scale", "skip_convert")  # (skip_x and skip_mma keep the kernel's scaling)
-    after = (cfg.scale_after or w.k_split) and w.offsets is None and scaled
+    after = cfg.scale_after and w.offsets is None and scaled
     wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     loads = load_mode(cfg, w)
     # like the load path, the decode follows the weight (repacked once, for the M = 1 configuration): a weight in the
-    # split order is decoded biased, with scale_after, whatever this M's configuration says
-    fold = w.k_split and after
+    # split order takes `_decode_split`, biased where this configuration folds
+    fold = w.k_split and cfg.bias_fold and after
     if w.k_split and w.offsets is not None:
-        raise ValueError("bias_fold (k_split) takes symmetric weights: the offsets would need the bias scaled too")
+        raise ValueError("the split order (k_split) serves symmetric weights only")
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 
@@ -456,13 +463,14 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
                     wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
                     wq = unperm_k(wq, w.k_split) if w.k_perm else wq
-                    wq = wq + BIAS if fold else wq  # (as `_decode_biased` gives them)
+                    wq = wq + BIAS if fold else wq  # (as `_decode_split` gives them)
                 elif loads == "wide":
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
                     wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 else:
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                    wq = _decode_biased(wq) if fold else _as_wgmma_layout(wq.astype(jnp.bfloat16))
+                    wq = (_decode_split(wq, biased=fold) if w.k_split
+                          else _as_wgmma_layout(wq.astype(jnp.bfloat16)))
                 if not scaled or after:
                     wv = wq
                 else:
