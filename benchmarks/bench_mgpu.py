@@ -119,14 +119,17 @@ def main():
             if entry:
                 first.append(mg.MgpuConfig(**entry["cfg"]))
             depths = [int(v) for v in args.steps.split(",") if v] or [None]
-            first = [dataclasses.replace(c, loads=ld, steps=st or c.steps) for c in first if c is not None
-                     for ld in loads for st in depths]
+            # with the engine's int4 decode (split_decode where it applies; LUCEBOX_MGPU_DECODE=cast: Mosaic's cast), so
+            # the table is chosen on what the engine runs; a variant may still turn it off
+            first = [km.with_decode(dataclasses.replace(c, loads=ld, steps=st or c.steps), k, n, g, bits)
+                     for c in first if c is not None for ld in loads for st in depths]
             base = first[-1] if first else None
             for v in [json.loads(v) for v in args.variants.split(";") if v.strip()] if base else []:
                 cfg = dataclasses.replace(base, **v)
                 if not mg.check_config(k, n, g, bits, cfg):
                     first.append(cfg)
             first = list(dict.fromkeys(first))
+            cands = [km.with_decode(c, k, n, g, bits) for c in cands]
             cands = first + ([] if args.no_sweep else [c for c in cands if c not in first])
             for cfg in cands:
                 if time.time() - t0 > args.budget:

@@ -75,11 +75,20 @@ def config_for(m: int, k: int, n: int, g: int, bits: int):
     if entry is not None:
         cfg = mg.MgpuConfig(**entry["cfg"])
         cfg = cfg if mg.check_config(k, n, g, bits, cfg) is None else None
-    cfg = cfg or mg.default_config(m, k, n, g, bits)
-    if cfg is not None and DECODE in ("split", "fold"):
-        alt = dataclasses.replace(cfg, **{"split_decode" if DECODE == "split" else "bias_fold": True})
-        cfg = alt if mg.check_config(k, n, g, bits, alt) is None else cfg
+    cfg = with_decode(cfg or mg.default_config(m, k, n, g, bits), k, n, g, bits)
     return dataclasses.replace(cfg, pdl=True) if cfg is not None and PDL else cfg
+
+
+def with_decode(cfg, k: int, n: int, g: int, bits: int):
+    """`cfg` with the int4 decode `LUCEBOX_MGPU_DECODE` picks, where the configuration takes it (benchmarks time
+    configurations through this too, so that they time what the engine runs)."""
+    from pallas_kernels import mgpu_qmatmul as mg
+
+    if cfg is None:
+        return cfg
+    alt = dataclasses.replace(cfg, split_decode=DECODE == "split", bias_fold=DECODE == "fold")
+    return alt if mg.check_config(k, n, g, bits, alt) is None else dataclasses.replace(cfg, split_decode=False,
+                                                                                        bias_fold=False)
 
 
 def _bits(w) -> int:

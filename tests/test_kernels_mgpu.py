@@ -226,7 +226,8 @@ def test_decode_knob_repacks_in_the_split_order(monkeypatch, interpreted, decode
     rng = np.random.default_rng(3)
     w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64, symmetric=True)
     table = {kernels_mgpu.tuned_key(16, 256, 128, 64, 4): {"cfg": {"tile_m": 64, "compute_wgs": 2, "groups": 2,
-                                                                   "scale_after": True}, "default": True}}
+                                                                   "scale_after": True, "split_decode": True},
+                                                           "default": True}}  # (the knob overrides a table's)
     monkeypatch.setattr(kernels_mgpu, "tuned_table", lambda: table)
     cfg, g32 = kernels_mgpu.config_for(1, 256, 128, 64, 4), kernels_mgpu.config_for(1, 256, 128, 32, 4)
     assert (cfg.split_decode, cfg.bias_fold) == (knob == "split_decode", knob == "bias_fold")
