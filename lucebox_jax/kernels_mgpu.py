@@ -121,7 +121,8 @@ def _repack(w):
 def _repack_jit():
     from pallas_kernels import mgpu_qmatmul as mg
 
-    return jax.jit(mg.repack, static_argnames=("k_perm", "k_split"))  # one jit: a weight shape compiles once, not per layer
+    # one jit: a weight shape compiles once, not per layer
+    return jax.jit(mg.repack, static_argnames=("k_perm", "k_split"))
 
 
 def prepare(w):

@@ -119,8 +119,9 @@ def perm_k(width: int, split: bool = False) -> list[int]:
     """The stored order of K within each 32 for `loads="perm"`: stored column 8q + e of a 32-chunk holds real column
     8 (e // 2) + 2q + e % 2. Mosaic GPU's upcast layout gives lane q of a row the stored columns 8q..8q+7; its WGMMA
     layout wants from lane q the real columns 2q, 2q+1 of each 8 (PTX wgmma register fragments). `split` (for
-    `split_decode`, `bias_fold`): stored 8q + e holds real 8 (e % 4) + 2q + e // 4, so that register i's pair is nibbles i and i + 4
-    of the 32-bit word (bits 4i and 16 + 4i: one shift puts both at the bottom of their 16-bit halves)."""
+    `split_decode`, `bias_fold`): stored 8q + e holds real 8 (e % 4) + 2q + e // 4, so that register i's pair is
+    nibbles i and i + 4 of the 32-bit word (bits 4i and 16 + 4i: one shift puts both at the bottom of their 16-bit
+    halves)."""
     if split:
         one = [8 * (e % 4) + 2 * q + e // 4 for q in range(4) for e in range(8)]
     else:
@@ -407,9 +408,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     loads = load_mode(cfg, w)
     # like the load path, the decode follows the weight (repacked once, for the M = 1 configuration): a weight in the
     # split order takes `_decode_split`, biased where this configuration folds
-    fold = w.k_split and cfg.bias_fold and after
-    if w.k_split and w.offsets is not None:
-        raise ValueError("the split order (k_split) serves symmetric weights only")
+    fold = w.k_split and cfg.bias_fold and after  # (never with mins: `after` is symmetric only)
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 

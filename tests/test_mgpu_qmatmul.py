@@ -105,8 +105,8 @@ def test_k_permuted_repack_is_the_same_weight():
 
 
 def test_split_order_puts_each_register_pair_four_nibbles_apart():
-    """`perm_k(split=True)` (`split_decode`, `bias_fold`): lane q's word holds, at nibbles i and i + 4, the real columns 8i + 2q
-    and 8i + 2q + 1 (the pair its WGMMA register i wants); `unperm_k` undoes it, and the repacked weight
+    """`perm_k(split=True)` (`split_decode`, `bias_fold`): lane q's word holds, at nibbles i and i + 4, the real
+    columns 8i + 2q and 8i + 2q + 1 (the pair its WGMMA register i wants); `unperm_k` undoes it, and the repacked weight
     dequantizes to the engine's own."""
     one = mg.perm_k(32, split=True)
     assert sorted(mg.perm_k(128, split=True)) == list(range(128))
@@ -149,9 +149,12 @@ def test_split_decodes_interpret_like_the_reference_and_lower(knob):
     for w_run, c in ((sw, plain_cfg), (mg.repack(w, k_perm=True), dataclasses.replace(cfg, tile_t=32))):
         assert _rel(mg.mgpu_matmul(x, w_run, c, interpret=plgpu.InterpretGPUParams()), ref(x)) < 1e-2
     assert "need perm loads" in mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, loads="narrow"))
-    assert ("bias_fold needs scale_after" in mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, scale_after=False))
-            if knob == "bias_fold" else mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, scale_after=False))
-            is None)
+    why = mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, scale_after=False))
+    assert "bias_fold needs scale_after" in why if knob == "bias_fold" else why is None
+    # weights with mins (no scale_after): the split order decodes them too, scale and min applied after the subtract
+    wa = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64, symmetric=False)
+    y = mg.mgpu_matmul(x, mg.repack(wa, k_perm=True, k_split=True), plain_cfg, interpret=plgpu.InterpretGPUParams())
+    assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(wa))) < 1e-2
     sds = jax.ShapeDtypeStruct
     for k, n in ((4096, 28672), (14336, 4096)):
         big = dataclasses.replace(mg.default_config(1, k, n, 128, 4), scale_after=True, **{knob: True})
