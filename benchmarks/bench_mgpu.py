@@ -95,7 +95,7 @@ def main():
             msets = [(x, mg.repack(w)) for x, w in sets]
             perm = mg.perm_ok(g, bits) and "perm" in args.loads.split(",")
             psets = [(x, mg.repack(w, k_perm=True)) for x, w in sets] if perm else msets  # K-permuted copies
-            ssets = None  # the same in the split order, for `split_decode` / `bias_fold` (made when one is timed)
+            ssets = None  # the same in the split order, for `split_decode` configurations (made when one is timed)
             nbytes = sets[0][1].nbytes + m * k * 2 + m * n * 2
             row = {"case": label, "k": k, "n": n, "g": g, "bits": bits, "m": m, "bytes": nbytes, "configs": []}
             base_fn = kernels_xla.qmatmul_xla if bits == 4 else kernels_xla.qmatmul8_xla
@@ -136,7 +136,7 @@ def main():
                     break
                 fn = lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)  # noqa: E731
                 run_sets = psets if cfg.loads == "perm" else msets
-                if cfg.bias_fold or cfg.split_decode:
+                if cfg.split_decode:
                     ssets = ssets or [(x, mg.repack(w, k_perm=True, k_split=True)) for x, w in sets]
                     run_sets = ssets
                 # a crash in compile names its config; the elapsed time shows a config started near the budget's end

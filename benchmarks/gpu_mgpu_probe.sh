@@ -10,7 +10,7 @@
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
 # PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch; PDL_SETS, default `best` only);
-# DECODE_AB=cast|split|fold again with LUCEBOX_MGPU_DECODE=... (another int4 decode; split is the default); MS (rows, default 1) and
+# DECODE_AB=cast|split again with LUCEBOX_MGPU_DECODE=... (the other int4 decode; split is the default); MS (rows, default 1) and
 # DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS;
 # DECODE_VARIANTS (bench_decode --variants, e.g. engine,dynamic_sampling,norm_first,attn_combine_xla) and
 # DECODE_MODELS (default llama3-8b) widen the step's run; ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
@@ -79,13 +79,13 @@ if [ "${DECODE:-0}" = 1 ]; then
       --xla-batches '' --kernel-sets "${PDL_SETS:-qmatmul=best,qmatmul8=best}" --reps 2 > "$OUT/decode_pdl.log" 2>&1
     echo "with LUCEBOX_MGPU_PDL=1:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_pdl.log"; echo "without:"
   fi
-  if [ -n "${DECODE_AB:-}" ]; then  # the same step with another int4 decode (LUCEBOX_MGPU_DECODE=cast|split|fold)
+  if [ -n "${DECODE_AB:-}" ]; then  # the same step with another int4 decode (LUCEBOX_MGPU_DECODE=cast|split)
     LUCEBOX_MGPU_DECODE=$DECODE_AB timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
       --models "${DECODE_MODELS:-llama3-8b}" --batches "${DECODE_BATCHES:-1}" --xla-batches '' \
       --kernel-sets "qmatmul=best,qmatmul8=best" --reps 2 $([ "${PROFILE:-0}" = 1 ] && echo --profile) \
-      > "$OUT/decode_fold.log" 2>&1
-    mv "$OUT/bench_decode.json" "$OUT/bench_decode_fold.json" 2>/dev/null
-    echo "with LUCEBOX_MGPU_DECODE=$DECODE_AB:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_fold.log" | grep -v "fusion" | head -40
+      > "$OUT/decode_ab.log" 2>&1
+    mv "$OUT/bench_decode.json" "$OUT/bench_decode_ab.json" 2>/dev/null
+    echo "with LUCEBOX_MGPU_DECODE=$DECODE_AB:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_ab.log" | grep -v "fusion" | head -40
     echo "without:"
   fi
   # FLAG_AB='flags;flags': the `best` step at batch 1 again under each XLA_FLAGS setting (fewer, larger fusions?)

@@ -48,7 +48,7 @@ def main():
         label, _, knobs = case.partition(":")
         (k, n, g, bits), cfg = config_for(label, json.loads(knobs) if knobs else {})
         x, w = bm.make_sets(k, n, g, bits, 1)[0]
-        wr = mg.repack(w, k_perm=cfg.loads == "perm" and mg.perm_ok(g, bits), k_split=cfg.bias_fold or cfg.split_decode)
+        wr = mg.repack(w, k_perm=cfg.loads == "perm" and mg.perm_ok(g, bits), k_split=cfg.split_decode)
         fn = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg))
         err = bm.check(fn, x, w, wr)
         fn(x, wr).block_until_ready()

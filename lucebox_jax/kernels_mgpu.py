@@ -31,10 +31,10 @@ PDL = os.environ.get("LUCEBOX_MGPU_PDL", "") == "1"
 # LUCEBOX_MGPU_DECODE (read at import): how int4 codes on the `perm` load path become bf16. `split` (default):
 # `split_decode` on every configuration that takes it, the weights repacked in the split order (H100, 8B step: the
 # Mosaic-GPU matmuls 2,050 -> 1,983 us, the step -2.6 to -2.8%, in two A/Bs; benchmarks/RESULTS.md); `cast`: Mosaic's
-# own cast, as before; `fold`: `bias_fold` (timed slower: gate+up 25.6 -> 43.8 us)
+# own cast, as before
 DECODE = os.environ.get("LUCEBOX_MGPU_DECODE", "split")
-if DECODE not in ("split", "cast", "fold"):
-    raise ValueError(f"LUCEBOX_MGPU_DECODE={DECODE!r}: one of split, cast, fold")
+if DECODE not in ("split", "cast"):
+    raise ValueError(f"LUCEBOX_MGPU_DECODE={DECODE!r}: split or cast")
 MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
 TUNED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels",
                      "mgpu_tuned.json")
@@ -86,9 +86,8 @@ def with_decode(cfg, k: int, n: int, g: int, bits: int):
 
     if cfg is None:
         return cfg
-    alt = dataclasses.replace(cfg, split_decode=DECODE == "split", bias_fold=DECODE == "fold")
-    return alt if mg.check_config(k, n, g, bits, alt) is None else dataclasses.replace(cfg, split_decode=False,
-                                                                                        bias_fold=False)
+    alt = dataclasses.replace(cfg, split_decode=DECODE == "split")
+    return alt if mg.check_config(k, n, g, bits, alt) is None else dataclasses.replace(cfg, split_decode=False)
 
 
 def _bits(w) -> int:
@@ -114,7 +113,7 @@ def _repack(w):
     g, bits = w.group_size, _bits(w)
     cfg = config_for(1, k, n, g, bits)
     k_perm = mg.perm_ok(g, bits) and cfg.loads == "perm"
-    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and (cfg.bias_fold or cfg.split_decode))
+    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and cfg.split_decode)
 
 
 @functools.lru_cache(maxsize=1)

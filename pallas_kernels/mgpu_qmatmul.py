@@ -62,11 +62,8 @@ class MgpuConfig:
     #                         boundaries (see `stream_plan`); with `split_k` 1: it replaces the K splits
     split_decode: bool = False  # perm loads: the weight in `perm_k(split=True)` order (`repack(k_split=True)`), each
     #                             register decoded by a shift, a LOP3 and a subtract (`_decode_split`), where
-    #                             Mosaic's cast takes a PRMT, a LOP3 and a subtract a register, and a shift a word
-    bias_fold: bool = False  # the same order, with scale_after: codes decoded biased, as c + 136 (no subtract), the
-    #                          bias removed by a second wgmma per group with a constant -136 operand
-    # (both ask for the split order at repack; like `loads`, the kernel then follows the weight: a weight in the split
-    # order takes `_decode_split`, biased only where this configuration folds)
+    #                             Mosaic's cast takes a PRMT, a LOP3 and a subtract a register, and a shift a word.
+    #                             It asks for that order at repack; like `loads`, the kernel then follows the weight
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -119,7 +116,7 @@ def perm_k(width: int, split: bool = False) -> list[int]:
     """The stored order of K within each 32 for `loads="perm"`: stored column 8q + e of a 32-chunk holds real column
     8 (e // 2) + 2q + e % 2. Mosaic GPU's upcast layout gives lane q of a row the stored columns 8q..8q+7; its WGMMA
     layout wants from lane q the real columns 2q, 2q+1 of each 8 (PTX wgmma register fragments). `split` (for
-    `split_decode`, `bias_fold`): stored 8q + e holds real 8 (e % 4) + 2q + e // 4, so that register i's pair is
+    `split_decode`): stored 8q + e holds real 8 (e % 4) + 2q + e // 4, so that register i's pair is
     nibbles i and i + 4 of the 32-bit word (bits 4i and 16 + 4i: one shift puts both at the bottom of their 16-bit
     halves)."""
     if split:
@@ -148,7 +145,7 @@ def unperm_k(a: jax.Array, split: bool = False) -> jax.Array:
 def repack(w, k_perm: bool = False, k_split: bool = False) -> MgpuWeight:
     """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g];
     `k_perm` (int4, `perm_ok`) stores each group's K in `perm_k` order for `loads="perm"` (`k_split`: its split
-    order, for `split_decode` and `bias_fold`)."""
+    order, for `split_decode`)."""
     g = w.group_size
     offsets = None
     if isinstance(w, QuantArray):
@@ -221,10 +218,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"group {g} is narrower than the {min(cfg.tile_t, 64)}-row K step of a {cfg.tile_t}-token tile"
     if cfg.stream_k and (cfg.split_k != 1 or cfg.pdl):
         return "stream_k takes split_k 1 (it splits K itself) and no pdl"
-    if (cfg.bias_fold or cfg.split_decode) and not (cfg.loads == "perm" and perm_ok(g, bits)):
-        return "split_decode and bias_fold need perm loads (int4 in groups of 64, 128 or 256)"
-    if cfg.bias_fold and not cfg.scale_after:
-        return "bias_fold needs scale_after (the bias comes out of each group's own accumulator)"
+    if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(g, bits)):
+        return "split_decode needs perm loads (int4 in groups of 64, 128 or 256)"
     return None
 
 
@@ -289,15 +284,11 @@ def _as_wgmma_layout(a: jax.Array) -> jax.Array:
     return relabel(a)
 
 
-BIAS = 136  # `_decode_split`'s offset: 0x4300 (128 as bf16, the mantissa counting units) + 8 (the sign bit flipped)
-
-
-def _decode_split(a: jax.Array, biased: bool = False) -> jax.Array:
+def _decode_split(a: jax.Array) -> jax.Array:
     """int4 codes [rows, 32j] loaded in the upcast-4x layout, stored in `perm_k(split=True)` order -> bf16 codes in
-    the WGMMA layout (c + BIAS if `biased`). Register i of a 32-bit word w of 8 codes is (w >> 4i) & 0x000F000F ^
-    0x43084308: the codes of nibbles i and i + 4 in the low bits of each 16-bit half, the sign bit flipped, the
-    exponent of 128 set (one SHF, none for i = 0, and one LOP3), minus 0x43084308 as bf16x2 unless biased (the caller
-    then removes the bias: `bias_fold`)."""
+    the WGMMA layout. Register i of a 32-bit word w of 8 codes is (w >> 4i) & 0x000F000F ^ 0x43084308 (one SHF, none
+    for i = 0, and one LOP3: the codes of nibbles i and i + 4 in the low bits of each 16-bit half, the sign bit
+    flipped, the exponent of 128 set, i.e. c + 136 as bf16), minus 136 as bf16x2 (0x43084308)."""
     import jax.experimental.mosaic.gpu as mgpu
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import numpy as np
@@ -318,8 +309,7 @@ def _decode_split(a: jax.Array, biased: bool = False) -> jax.Array:
                 words[src] = mgpu_utils.bitcast(x.registers[src], i32)
             i = idx[1] % 4
             shift = f"shr.b32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
-            last = ("lop3.b32 $0, t, 0x000F000F, 0x43084308, 0x6a;" if biased else
-                    "lop3.b32 t, t, 0x000F000F, 0x43084308, 0x6a; mov.b32 b, 0x43084308; sub.bf16x2 $0, t, b;")
+            last = "lop3.b32 t, t, 0x000F000F, 0x43084308, 0x6a; mov.b32 b, 0x43084308; sub.bf16x2 $0, t, b;"
             r = llvm.inline_asm(i32, [words[src]], f"{{ .reg .b32 t, b; {shift} {last} }}", "=r,r")
             out[idx] = mgpu_utils.bitcast(r, bf16x2)
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
@@ -406,9 +396,6 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     after = cfg.scale_after and w.offsets is None and scaled
     wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     loads = load_mode(cfg, w)
-    # like the load path, the decode follows the weight (repacked once, for the M = 1 configuration): a weight in the
-    # split order takes `_decode_split`, biased where this configuration folds
-    fold = w.k_split and cfg.bias_fold and after  # (never with mins: `after` is symmetric only)
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 
@@ -462,14 +449,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
                     wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
                     wq = unperm_k(wq, w.k_split) if w.k_perm else wq
-                    wq = wq + BIAS if fold else wq  # (as `_decode_split` gives them)
                 elif loads == "wide":
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
                     wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 else:
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                    wq = (_decode_split(wq, biased=fold) if w.k_split
-                          else _as_wgmma_layout(wq.astype(jnp.bfloat16)))
+                    # like the load path, the decode follows the weight (repacked once, for M = 1's configuration)
+                    wq = _decode_split(wq) if w.k_split else _as_wgmma_layout(wq.astype(jnp.bfloat16))
                 if not scaled or after:
                     wv = wq
                 else:
@@ -487,22 +473,12 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             def x_rows(j):  # group j's x^T [g, tt]: a transposed view of the K-minor tile
                 return x_smem.at[:, pl.ds(j * g, g)].transpose((1, 0))
 
-            def unbias():  # a constant -BIAS operand: its wgmma against x^T adds -BIAS * (the group's sum of x)
-                minus = jnp.full((tm, g), -BIAS, jnp.bfloat16)
-                if not lhs_smem:
-                    return plgpu.layout_cast(minus, plgpu.Layout.WGMMA)
-                a_smem[lax.axis_index("wg"), gps] = minus
-                plgpu.commit_smem()
-                return a_smem.at[lax.axis_index("wg"), gps]
-
             if after:
                 # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
                 # and conversion overlap group j's wgmma; the first read waits for them all
                 def group_mmas(*gaccs):
                     for j, gacc in enumerate(gaccs):
                         plgpu.wgmma(gacc, operand(j), x_rows(j))
-                        if fold:  # the biased codes' extra BIAS * sum(x), taken out in the same accumulator
-                            plgpu.wgmma(gacc, unbias(), x_rows(j))
                     return tuple(gacc[...] for gacc in gaccs)
 
                 grp_sums = pl.run_scoped(group_mmas, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(gps)])
@@ -622,7 +598,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane if loads == "perm"
                                              and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tt, tm), out_dtype, transforms=out_tf),
-                           **({"a_smem": plgpu.SMEM((wgs, gps + fold, tm, g), jnp.bfloat16, transforms=a_tf)}
+                           **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
                               if lhs_smem else {}),
                            **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * g), jnp.bfloat16,
                                                                          transforms=x_tf)})),

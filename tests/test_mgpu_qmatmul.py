@@ -105,7 +105,7 @@ def test_k_permuted_repack_is_the_same_weight():
 
 
 def test_split_order_puts_each_register_pair_four_nibbles_apart():
-    """`perm_k(split=True)` (`split_decode`, `bias_fold`): lane q's word holds, at nibbles i and i + 4, the real
+    """`perm_k(split=True)` (`split_decode`): lane q's word holds, at nibbles i and i + 4, the real
     columns 8i + 2q and 8i + 2q + 1 (the pair its WGMMA register i wants); `unperm_k` undoes it, and the repacked weight
     dequantizes to the engine's own."""
     one = mg.perm_k(32, split=True)
@@ -126,18 +126,15 @@ def test_split_order_puts_each_register_pair_four_nibbles_apart():
         mg.repack(w, k_split=True)
 
 
-@pytest.mark.parametrize("knob", ["split_decode", "bias_fold"])
-def test_split_decodes_interpret_like_the_reference_and_lower(knob):
-    """The split order's decodes: `split_decode` (shift, LOP3, subtract a register) and `bias_fold` (codes decoded as
-    c + 136, the bias taken out by a second wgmma of a constant -136 operand per group). Interpreted (the staged path
-    adds the bias in jnp where the kernel folds, so the extra wgmma is what makes it right) against the float32
-    product at 3 and 20 rows, also where the configuration and the weight's order disagree (the kernel follows the
-    weight); lowered for an abstract H200 on the register path (`_decode_split`) at the 8B shapes."""
+def test_split_decode_interprets_like_the_reference_and_lowers():
+    """`split_decode` (the split order; shift, LOP3, subtract a register). Interpreted against the float32 product at
+    3 and 20 rows, also where the configuration and the weight's order disagree (the kernel follows the weight) and
+    for weights with mins; lowered for an abstract H200 on the register path (`_decode_split`) at the 8B shapes."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rng = np.random.default_rng(12)
     w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64, symmetric=True)
-    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2, scale_after=True, **{knob: True})
+    cfg = mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2, scale_after=True, split_decode=True)
     sw = mg.repack(w, k_perm=True, k_split=True)
     ref = lambda x: jnp.dot(x.astype(jnp.float32), dequantize(w))  # noqa: E731
     for m in (3, 20):
@@ -145,19 +142,17 @@ def test_split_decodes_interpret_like_the_reference_and_lower(knob):
         y = mg.mgpu_matmul(x, sw, dataclasses.replace(cfg, tile_t=16 if m <= 16 else 32),
                            interpret=plgpu.InterpretGPUParams())
         assert _rel(y, ref(x)) < 1e-2
-    plain_cfg = dataclasses.replace(cfg, tile_t=32, scale_after=False, bias_fold=False, split_decode=False)
+    plain_cfg = dataclasses.replace(cfg, tile_t=32, scale_after=False, split_decode=False)
     for w_run, c in ((sw, plain_cfg), (mg.repack(w, k_perm=True), dataclasses.replace(cfg, tile_t=32))):
         assert _rel(mg.mgpu_matmul(x, w_run, c, interpret=plgpu.InterpretGPUParams()), ref(x)) < 1e-2
-    assert "need perm loads" in mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, loads="narrow"))
-    why = mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, scale_after=False))
-    assert "bias_fold needs scale_after" in why if knob == "bias_fold" else why is None
+    assert "needs perm loads" in mg.check_config(256, 128, 64, 4, dataclasses.replace(cfg, loads="narrow"))
     # weights with mins (no scale_after): the split order decodes them too, scale and min applied after the subtract
     wa = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64, symmetric=False)
     y = mg.mgpu_matmul(x, mg.repack(wa, k_perm=True, k_split=True), plain_cfg, interpret=plgpu.InterpretGPUParams())
     assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(wa))) < 1e-2
     sds = jax.ShapeDtypeStruct
     for k, n in ((4096, 28672), (14336, 4096)):
-        big = dataclasses.replace(mg.default_config(1, k, n, 128, 4), scale_after=True, **{knob: True})
+        big = dataclasses.replace(mg.default_config(1, k, n, 128, 4), scale_after=True, split_decode=True)
         ws = mg.MgpuWeight(codes=sds((k // 128, n, 128), jnp.int4), scales=sds((k // 128, n), jnp.float16),
                            offsets=None, group_size=128, bits=4, k_perm=True, k_split=True)
         with abstract_h200():
