@@ -120,12 +120,13 @@ def main():
                 first.append(mg.MgpuConfig(**entry["cfg"]))
             depths = [int(v) for v in args.steps.split(",") if v] or [None]
             # with the engine's int4 decode (split_decode where it applies; LUCEBOX_MGPU_DECODE=cast: Mosaic's cast), so
-            # the table is chosen on what the engine runs; a variant may still turn it off
+            # the table is chosen on what the engine runs; a variant naming split_decode sets it
             first = [km.with_decode(dataclasses.replace(c, loads=ld, steps=st or c.steps), k, n, g, bits)
                      for c in first if c is not None for ld in loads for st in depths]
             base = first[-1] if first else None
             for v in [json.loads(v) for v in args.variants.split(";") if v.strip()] if base else []:
                 cfg = dataclasses.replace(base, **v)
+                cfg = cfg if "split_decode" in v else km.with_decode(cfg, k, n, g, bits)  # (e.g. other loads: off)
                 if not mg.check_config(k, n, g, bits, cfg):
                     first.append(cfg)
             first = list(dict.fromkeys(first))

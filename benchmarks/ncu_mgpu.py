@@ -35,7 +35,9 @@ def config_for(label: str, knobs: dict, m: int = 1):
     _, k, n, g, bits = next(c for c in bm.CASES if c[0] == label)
     entry = km.tuned_table().get(km.tuned_key(km.m_bucket(m), k, n, g, bits))
     cfg = mg.MgpuConfig(**entry["cfg"]) if entry else mg.default_config(m, k, n, g, bits)
-    return (k, n, g, bits), dataclasses.replace(km.with_decode(cfg, k, n, g, bits), **knobs)  # as the engine runs it
+    cfg = dataclasses.replace(cfg, **knobs)
+    # the engine's int4 decode for it, unless the knobs name one
+    return (k, n, g, bits), cfg if "split_decode" in knobs else km.with_decode(cfg, k, n, g, bits)
 
 
 def main():
