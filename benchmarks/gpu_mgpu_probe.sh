@@ -10,7 +10,8 @@
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
 # PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch; PDL_SETS, default `best` only);
-# DECODE_AB=cast|split again with LUCEBOX_MGPU_DECODE=... (the other int4 decode; split is the default); MS (rows, default 1) and
+# DECODE_AB=cast|split|fold again with LUCEBOX_MGPU_DECODE=... (another int4 decode; split is the default); TABLE_AB
+# the step with table entries changed (see below); MS (rows, default 1) and
 # DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS;
 # DECODE_VARIANTS (bench_decode --variants, e.g. engine,dynamic_sampling,norm_first,attn_combine_xla) and
 # DECODE_MODELS (default llama3-8b) widen the step's run; ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
@@ -88,6 +89,20 @@ if [ "${DECODE:-0}" = 1 ]; then
     echo "with LUCEBOX_MGPU_DECODE=$DECODE_AB:"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_ab.log" | grep -v "fusion" | head -40
     echo "without:"
   fi
+  # TABLE_AB='label:json;...': the step again with the table's entries updated (LUCEBOX_MGPU_TUNED), e.g.
+  # 'gu_stream:{"m16_k4096_n28672_g128_b4":{"stream_k":true}}' (each label's own process)
+  IFS=';' read -ra TABLES <<< "${TABLE_AB:-}"
+  for t in "${TABLES[@]}"; do
+    python3 -c "import json,sys; t=json.load(open('pallas_kernels/mgpu_tuned.json')); d=json.loads(sys.argv[1])
+for k,v in d.items(): t[k]['cfg'].update(v)
+json.dump(t, open(sys.argv[2],'w'), indent=1)" "${t#*:}" "/tmp/table_${t%%:*}.json"
+    LUCEBOX_MGPU_TUNED="/tmp/table_${t%%:*}.json" timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
+      --models "${DECODE_MODELS:-llama3-8b}" --batches "${DECODE_BATCHES:-1}" --xla-batches '' \
+      --kernel-sets "qmatmul=best,qmatmul8=best" --reps 2 $([ "${PROFILE:-0}" = 1 ] && echo --profile) \
+      > "$OUT/decode_table_${t%%:*}.log" 2>&1
+    mv "$OUT/bench_decode.json" "$OUT/bench_decode_table_${t%%:*}.json" 2>/dev/null
+    echo "table ${t%%:*} (${t#*:}):"; sed -n '/^copy bandwidth .*; /,$p' "$OUT/decode_table_${t%%:*}.log" | grep -v "fusion" | head -30
+  done
   # FLAG_AB='flags;flags': the `best` step at batch 1 again under each XLA_FLAGS setting (fewer, larger fusions?)
   IFS=';' read -ra FLAG_SETS <<< "${FLAG_AB:-}"
   for i in "${!FLAG_SETS[@]}"; do

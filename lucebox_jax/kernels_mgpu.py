@@ -36,8 +36,9 @@ DECODE = os.environ.get("LUCEBOX_MGPU_DECODE", "split")
 if DECODE not in ("split", "cast", "fold"):
     raise ValueError(f"LUCEBOX_MGPU_DECODE={DECODE!r}: split, cast or fold")
 MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
-TUNED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels",
-                     "mgpu_tuned.json")
+# LUCEBOX_MGPU_TUNED (read at import): another table in this file's format, for A/B runs of the whole step
+TUNED = os.environ.get("LUCEBOX_MGPU_TUNED") or os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "pallas_kernels", "mgpu_tuned.json")
 
 
 def hopper_reason() -> str | None:
