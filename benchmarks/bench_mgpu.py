@@ -126,8 +126,7 @@ def main():
             base = first[-1] if first else None
             for v in [json.loads(v) for v in args.variants.split(";") if v.strip()] if base else []:
                 cfg = dataclasses.replace(base, **v)
-                named = "split_decode" in v or "fold_shift" in v
-                cfg = cfg if named else km.with_decode(cfg, k, n, g, bits)  # (e.g. other loads: off)
+                cfg = cfg if "split_decode" in v else km.with_decode(cfg, k, n, g, bits)  # (e.g. other loads: off)
                 if not mg.check_config(k, n, g, bits, cfg):
                     first.append(cfg)
             first = list(dict.fromkeys(first))

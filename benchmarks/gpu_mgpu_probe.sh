@@ -10,7 +10,7 @@
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
 # (.peers carried) in the same call; PROFILE=1 adds the per-kernel profile of each step, DECODE_SETS other kernel sets,
 # PDL_AB=1 the same step again with LUCEBOX_MGPU_PDL=1 (programmatic dependent launch; PDL_SETS, default `best` only);
-# DECODE_AB=cast|split|fold again with LUCEBOX_MGPU_DECODE=... (another int4 decode; split is the default); TABLE_AB
+# DECODE_AB=cast|split again with LUCEBOX_MGPU_DECODE=... (the other int4 decode; split is the default); TABLE_AB
 # the step with table entries changed (see below); MS (rows, default 1) and
 # DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS;
 # DECODE_VARIANTS (bench_decode --variants, e.g. engine,dynamic_sampling,norm_first,attn_combine_xla) and

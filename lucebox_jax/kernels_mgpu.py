@@ -31,10 +31,10 @@ PDL = os.environ.get("LUCEBOX_MGPU_PDL", "") == "1"
 # LUCEBOX_MGPU_DECODE (read at import): how int4 codes on the `perm` load path become bf16. `split` (default):
 # `split_decode` on every configuration that takes it, the weights repacked in the split order (H100, 8B step: the
 # Mosaic-GPU matmuls 2,050 -> 1,983 us, the step -2.6 to -2.8%, in two A/Bs; benchmarks/RESULTS.md); `cast`: Mosaic's
-# own cast, as before; `fold`: `split` with `fold_shift` (no subtract; the shift off the float32 sums)
+# own cast, as before
 DECODE = os.environ.get("LUCEBOX_MGPU_DECODE", "split")
-if DECODE not in ("split", "cast", "fold"):
-    raise ValueError(f"LUCEBOX_MGPU_DECODE={DECODE!r}: split, cast or fold")
+if DECODE not in ("split", "cast"):
+    raise ValueError(f"LUCEBOX_MGPU_DECODE={DECODE!r}: split or cast")
 MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
 # LUCEBOX_MGPU_TUNED (read at import): another table in this file's format, for A/B runs of the whole step
 TUNED = os.environ.get("LUCEBOX_MGPU_TUNED") or os.path.join(
@@ -87,10 +87,8 @@ def with_decode(cfg, k: int, n: int, g: int, bits: int):
 
     if cfg is None:
         return cfg
-    alt = dataclasses.replace(cfg, split_decode=DECODE != "cast", fold_shift=DECODE == "fold")
-    if mg.check_config(k, n, g, bits, alt) is None:
-        return alt
-    return dataclasses.replace(cfg, split_decode=False, fold_shift=False)
+    alt = dataclasses.replace(cfg, split_decode=DECODE == "split")
+    return alt if mg.check_config(k, n, g, bits, alt) is None else dataclasses.replace(cfg, split_decode=False)
 
 
 def _bits(w) -> int:

@@ -64,10 +64,6 @@ class MgpuConfig:
     #                             register decoded by a shift, a LOP3 and a subtract (`_decode_split`), where
     #                             Mosaic's cast takes a PRMT, a LOP3 and a subtract a register, and a shift a word.
     #                             It asks for that order at repack; like `loads`, the kernel then follows the weight
-    fold_shift: bool = False  # split_decode weights: wgmma on c + 136 (the shift and LOP3 alone, no subtract), and
-    #                           the shift taken off the float32 sums: s * (sum - 136 * X) + offset * X per group, X the
-    #                           group's sum of x (`x_group_sums`, an XLA reduction before the kernel). Scales after the
-    #                           wgmma as `scale_after` does, asymmetric weights too
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -224,8 +220,6 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return "stream_k takes split_k 1 (it splits K itself) and no pdl"
     if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(g, bits)):
         return "split_decode needs perm loads (int4 in groups of 64, 128 or 256)"
-    if cfg.fold_shift and (not cfg.split_decode or cfg.lhs_smem):
-        return "fold_shift takes the split_decode order, in registers (no lhs_smem)"
     return None
 
 
@@ -290,12 +284,11 @@ def _as_wgmma_layout(a: jax.Array) -> jax.Array:
     return relabel(a)
 
 
-def _decode_split(a: jax.Array, shifted: bool = False) -> jax.Array:
+def _decode_split(a: jax.Array) -> jax.Array:
     """int4 codes [rows, 32j] loaded in the upcast-4x layout, stored in `perm_k(split=True)` order -> bf16 codes in
     the WGMMA layout. Register i of a 32-bit word w of 8 codes is (w >> 4i) & 0x000F000F ^ 0x43084308 (one SHF, none
     for i = 0, and one LOP3: the codes of nibbles i and i + 4 in the low bits of each 16-bit half, the sign bit
-    flipped, the exponent of 128 set, i.e. c + 136 as bf16), minus 136 as bf16x2 (0x43084308); `shifted` leaves
-    c + 136 (`fold_shift` takes the 136 off the sums)."""
+    flipped, the exponent of 128 set, i.e. c + 136 as bf16), minus 136 as bf16x2 (0x43084308)."""
     import jax.experimental.mosaic.gpu as mgpu
     import jax.experimental.pallas.mosaic_gpu as plgpu
     import numpy as np
@@ -316,37 +309,12 @@ def _decode_split(a: jax.Array, shifted: bool = False) -> jax.Array:
                 words[src] = mgpu_utils.bitcast(x.registers[src], i32)
             i = idx[1] % 4
             shift = f"shr.b32 t, $1, {4 * i};" if i else "mov.b32 t, $1;"
-            if shifted:
-                last = "lop3.b32 $0, t, 0x000F000F, 0x43084308, 0x6a;"
-            else:
-                last = "lop3.b32 t, t, 0x000F000F, 0x43084308, 0x6a; mov.b32 b, 0x43084308; sub.bf16x2 $0, t, b;"
+            last = "lop3.b32 t, t, 0x000F000F, 0x43084308, 0x6a; mov.b32 b, 0x43084308; sub.bf16x2 $0, t, b;"
             r = llvm.inline_asm(i32, [words[src]], f"{{ .reg .b32 t, b; {shift} {last} }}", "=r,r")
             out[idx] = mgpu_utils.bitcast(r, bf16x2)
         return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return decode(a)
-
-
-SHIFT = 136.0  # what `_decode_split(shifted=True)` leaves on each code: c + 136 is exact in bf16 (128..143)
-
-
-def _column(a: jax.Array) -> jax.Array:
-    """[64, n] float32 in the WGMMA layout, all rows equal -> its row [n] in the column-vector layout (WGMMA reduced
-    over rows): each thread's registers of its first row, relabelled (no data moves)."""
-    import jax.experimental.mosaic.gpu as mgpu
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    import numpy as np
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct(a.shape[1:], a.dtype, layout=plgpu.Layout.WGMMA.reduce(0)))
-    def first_row(_, x):
-        col = mgpu.WGMMA_COL_LAYOUT
-        out = np.empty(col.registers_shape(a.shape[1:]), dtype=object)
-        for c in range(out.shape[0]):  # x's registers: (row tile, 8-column tile, ..., rows r / r + 8, ...)
-            out[c, 0, 0] = x.registers[0, c, 0, 0, 0, 0, 0, 0, 0]
-        return mgpu.FragmentedArray(_registers=out, _layout=col, _is_signed=None)
-
-    return first_row(a)
 
 
 def _same_kernel_same_name() -> None:
@@ -425,11 +393,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     out_tf = (plgpu.TilingTransform((8, out_swz * 8 // out_bits)), plgpu.SwizzleTransform(out_swz))
     lhs_smem = cfg.lhs_smem or interpret is not False
     scaled = cfg.probe not in ("skip_scale", "skip_convert")  # (skip_x and skip_mma keep the kernel's scaling)
-    # fold_shift: codes go to wgmma as c + SHIFT, each group's float32 sums lose SHIFT * X (X: x_group_sums);
-    # it scales after the wgmma, with or without mins
-    fold = cfg.fold_shift and w.k_split and scaled
-    column = (lambda a: a[0]) if lhs_smem else _column  # (the interpreter runs no inline Mosaic GPU)
-    after = scaled and (fold or (cfg.scale_after and w.offsets is None))
+    after = cfg.scale_after and w.offsets is None and scaled
     wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     loads = load_mode(cfg, w)
     a_swz = plgpu.find_swizzle(g * 16, "lhs")
@@ -437,7 +401,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
     copy_x = cfg.probe != "skip_x"
 
-    def kernel(x_gmem, c_gmem, s_gmem, *rest, out_smem, a_smem=None, x_scratch=None, ones_smem=None):
+    def kernel(x_gmem, c_gmem, s_gmem, *rest, out_smem, a_smem=None, x_scratch=None):
         if asym:
             mn_gmem, out_gmem = rest
         else:
@@ -485,20 +449,19 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
                     wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
                     wq = unperm_k(wq, w.k_split) if w.k_perm else wq
-                    wq = wq + SHIFT if fold else wq
                 elif loads == "wide":
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=wide_layout)
                     wq = plgpu.layout_cast(wq, plgpu.Layout.WGMMA).astype(jnp.bfloat16)
                 else:
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     # like the load path, the decode follows the weight (repacked once, for M = 1's configuration)
-                    wq = _decode_split(wq, fold) if w.k_split else _as_wgmma_layout(wq.astype(jnp.bfloat16))
+                    wq = _decode_split(wq) if w.k_split else _as_wgmma_layout(wq.astype(jnp.bfloat16))
                 if not scaled or after:
                     wv = wq
                 else:
                     sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                     wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
-                if asym and scaled and not after:
+                if asym and scaled:  # (`after` is never asymmetric)
                     off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
                     wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
                 if lhs_smem:  # (one buffer per group: a later group must not overwrite an unread one)
@@ -513,28 +476,15 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             if after:
                 # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
                 # and conversion overlap group j's wgmma; the first read waits for them all
-                # fold: first each group's sums of x (X: ones [64, g] @ x^T, rows all equal), on the tensor cores
-                # while the codes convert
-                def group_mmas(*accs):
-                    for j, xacc in enumerate(accs[gps:]):
-                        plgpu.wgmma(xacc, ones_ref(), x_rows(j))
-                    for j, gacc in enumerate(accs[:gps]):
+                def group_mmas(*gaccs):
+                    for j, gacc in enumerate(gaccs):
                         plgpu.wgmma(gacc, operand(j), x_rows(j))
-                    return tuple(a[...] for a in accs)
+                    return tuple(gacc[...] for gacc in gaccs)
 
-                accs = [plgpu.ACC((tm, tt), jnp.float32) for _ in range(gps)]
-                accs += [plgpu.ACC((64, tt), jnp.float32) for _ in range(gps)] if fold else []
-                sums = pl.run_scoped(group_mmas, *accs)
-                grp_sums, x_sums = sums[:gps], sums[gps:]
+                grp_sums = pl.run_scoped(group_mmas, *[plgpu.ACC((tm, tt), jnp.float32) for _ in range(gps)])
                 for j, part in enumerate(grp_sums):
                     sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
                     acc_ref = acc_ref + part * lax.broadcast_in_dim(sc, (tm, tt), (0,))  # an array here
-                    if fold:  # + (offset - SHIFT * s) X: a row vector times a column vector
-                        bias = -SHIFT * sc
-                        if asym:
-                            bias = bias + plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.float32)
-                        acc_ref = acc_ref + (lax.broadcast_in_dim(bias, (tm, tt), (0,))
-                                             * lax.broadcast_in_dim(column(x_sums[j]), (tm, tt), (1,)))
                 return acc_ref
             for j in range(gps):
                 plgpu.wgmma(acc_ref, operand(j), x_rows(j))
@@ -561,16 +511,6 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
         def zeros():
             return plgpu.layout_cast(jnp.full((tm, tt), 0, jnp.float32), plgpu.Layout.WGMMA)
-
-        def ones_ref():  # fold: a compute warpgroup's [64, g] of ones (interpreted: a slot past a_smem's groups, as
-            #              Mosaic GPU's interpreter hung on a scratch buffer of its own)
-            wg = lax.axis_index("wg")
-            return a_smem.at[wg, gps, pl.ds(0, 64)] if lhs_smem else ones_smem.at[wg]
-
-        def ones_tile():  # written before a warpgroup's pipeline
-            if fold:
-                ones_ref()[...] = plgpu.layout_cast(jnp.full((64, g), 1, jnp.bfloat16), plgpu.Layout.WGMMA)
-                plgpu.commit_smem()
 
         @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*gmem_args),
                            collective_axes="wg")
@@ -608,11 +548,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
                     return carry * jnp.where(ends, 0.0, 1.0).astype(jnp.float32)
 
-                def stream_context(run):
-                    ones_tile()
-                    run(zeros())
-
-                pipeline(body, stream_context, at)(*gmem_args, allocations=allocs)
+                pipeline(body, lambda run: run(zeros()), at)(*gmem_args, allocations=allocs)
                 return
 
             @plgpu.nd_loop((work,), collective_axes="sm")
@@ -628,7 +564,6 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 kr = pl.ds(split * steps_per_split * gps * g, steps_per_split * gps * g)
 
                 def context(run):
-                    ones_tile()
                     if after:  # the carry is the float32 sum in registers; each group's wgmma gets a fresh ACC
                         store(run(zeros()), split, n_idx, t_idx)
                         return
@@ -663,12 +598,10 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane if loads == "perm"
                                              and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tt, tm), out_dtype, transforms=out_tf),
-                           **({"a_smem": plgpu.SMEM((wgs, gps + fold, tm, g), jnp.bfloat16, transforms=a_tf)}
+                           **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
                               if lhs_smem else {}),
                            **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * g), jnp.bfloat16,
-                                                                         transforms=x_tf)}),
-                           **({"ones_smem": plgpu.SMEM((wgs, 64, g), jnp.bfloat16, transforms=a_tf)}
-                              if fold and not lhs_smem else {})),
+                                                                         transforms=x_tf)})),
     )
     args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)

@@ -194,23 +194,19 @@ def test_stream_k_matches_reference_on_hopper(m, k, n, g, bits, sym):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("m,k,n,stream", [(1, 4096, 28672, False), (1, 14336, 4096, True), (16, 4096, 6144, False),
                                           (1, 4096, 4096, False), (33, 4096, 28672, False)])
-def test_split_decode_matches_reference_on_hopper(m, k, n, stream, fold):
+def test_split_decode_matches_reference_on_hopper(m, k, n, stream):
     """`split_decode` compiled (`_decode_split`'s inline PTX: the interpreter stages the codes instead), int4 g128
-    symmetric on the 8B shapes, against the float32 product; with `fold_shift` (no subtract; the x sums from a wgmma
-    of ones, relabelled by `_column`) also on weights with mins."""
+    symmetric on the 8B shapes, against the float32 product."""
     if kernels_mgpu.hopper_reason():
         pytest.skip(kernels_mgpu.hopper_reason())
     import dataclasses
 
     rng = np.random.default_rng(m + n + k + 1)
-    sym = not fold or m != 1 or stream
-    w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=128, symmetric=sym)
+    w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=128, symmetric=True)
     pw = mg.repack(w, k_perm=True, k_split=True)
-    cfg = dataclasses.replace(mg.default_config(m, k, n, 128, 4), loads="perm", scale_after=True, split_decode=True,
-                              fold_shift=fold)
+    cfg = dataclasses.replace(mg.default_config(m, k, n, 128, 4), loads="perm", scale_after=True, split_decode=True)
     if stream:
         cfg = dataclasses.replace(cfg, split_k=1, stream_k=True)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
@@ -219,7 +215,7 @@ def test_split_decode_matches_reference_on_hopper(m, k, n, stream, fold):
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
 
 
-@pytest.mark.parametrize("decode", ["split", "cast", "fold"])
+@pytest.mark.parametrize("decode", ["split", "cast"])
 def test_decode_knob_repacks_in_the_split_order(monkeypatch, interpreted, decode):
     """LUCEBOX_MGPU_DECODE (`kernels_mgpu.DECODE`; split the default): with `split` the configurations that take
     `split_decode` get it and the weight is repacked in the split order (others, e.g. g32, are left as they were);
@@ -234,10 +230,10 @@ def test_decode_knob_repacks_in_the_split_order(monkeypatch, interpreted, decode
                                                            "default": True}}  # (the knob overrides a table's)
     monkeypatch.setattr(kernels_mgpu, "tuned_table", lambda: table)
     cfg, g32 = kernels_mgpu.config_for(1, 256, 128, 64, 4), kernels_mgpu.config_for(1, 256, 128, 32, 4)
-    assert cfg.split_decode == (decode != "cast") and cfg.fold_shift == (decode == "fold")
-    assert not g32.split_decode and not g32.fold_shift  # g32: no perm loads, no split order
+    assert cfg.split_decode == (decode == "split")
+    assert not g32.split_decode  # g32: no perm loads, no split order
     pw = kernels_mgpu.prepare(w)
-    assert pw.k_perm and pw.k_split == (decode != "cast")
+    assert pw.k_perm and pw.k_split == (decode == "split")
     x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
     y = np.asarray(linear(x, pw, kernels=MGPU), np.float32)
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
