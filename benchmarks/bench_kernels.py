@@ -11,6 +11,9 @@
   * attention_prefill at a few shapes, pallas vs xla.
 The kernels run with their registered defaults (`default_config` in each pallas_kernels module).
 `--sections ...,qsweep` first times qmatmul variants and uses the winners; `--sweep` only times variants.
+`--sections copy,decode_knobs`: the batch-8 decode attention at S = 1k and 4k (the 8B batch-8 step's attention: 787
+of its 3,265 us on an H100, ~48% of copy bandwidth), the engine's default against 10 block / warp / stage / split
+settings (`DECODE_KNOBS`) and jax's gqa kernel.
 `--sections copy,qsweep2` runs the staged M <= 16 int4 GEMV sweep (see `qsweep2`) and writes the best config per
 (shape, group, M-bucket) to $OUT/int4_tuned.json (copy it to pallas_kernels/int4_tuned.json); `--small` is its CPU
 smoke test (tiny shapes, interpret mode).
@@ -430,6 +433,13 @@ def sweep_qmatmul(bw):
     return best1, dot16
 
 
+# (label, attention_decode knobs) for `--sections decode_knobs`: block_k, num_warps, num_stages, n_split
+DECODE_KNOBS = [("default", {})] + [
+    (f"k{k}_w{w}_s{st}_n{ns}", dict(block_k=k, num_warps=w, num_stages=st, n_split=ns))
+    for k, w, st, ns in [(64, 4, 3, 4), (64, 4, 3, 16), (128, 4, 3, 4), (128, 8, 3, 4), (128, 8, 2, 8), (64, 8, 3, 8),
+                         (64, 4, 2, 8), (32, 4, 3, 8), (256, 8, 2, 4), (128, 4, 2, 2)]]
+
+
 def sweep(bw):
     sweep_qmatmul(bw)
     dv = [
@@ -815,6 +825,11 @@ def main():
                             [(1, 2048, 2048, 0, 32, 8, 128), (4, 512, 4096, 1024, 32, 8, 128),
                              (8, 5, 4096, 4000, 32, 8, 128)], bw, variants=pv)
                         save()
+    if "decode_knobs" in secs:
+        RESULTS["decode"] = bench_decode([1024, 4096], bw, variants=DECODE_KNOBS, with_xla=False)
+        for r in RESULTS["decode"]:
+            log(f"S {r['S']}: " + ", ".join(f"{n} {r.get(n + '_us', float('nan')):.1f} us"
+                                           for n in [v for v, _ in DECODE_KNOBS] + ["jax_gqa"]))
     save()
     log(f"total {time.time() - T_START:.0f} s")
     log(table(bw))
