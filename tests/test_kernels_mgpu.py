@@ -284,3 +284,27 @@ def test_engine_calls_of_one_shape_lower_once():
         return txt.count("stablehlo.custom_call @mosaic_gpu_v2")
 
     assert kernels_in(12) == kernels_in(4) <= 2  # (the first call, on the jit's own argument, may lower apart)
+
+
+def test_tuned_table_knob_reads_another_table(tmp_path):
+    """LUCEBOX_MGPU_TUNED (read at import) points the engine at another table (the step A/Bs of
+    `gpu_mgpu_probe.sh TABLE_AB`): a changed entry is the configuration the engine picks; without it, the shipped one."""
+    import json
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    table = json.load(open(kernels_mgpu.TUNED))
+    key = kernels_mgpu.tuned_key(16, 4096, 28672, 128, 4)
+    table[key]["cfg"].update(steps=7, stream_k=False, split_k=2)
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps(table))
+    code = ("from lucebox_jax import kernels_mgpu as k; c = k.config_for(1, 4096, 28672, 128, 4); "
+            "print(c.steps, c.stream_k, c.split_k)")
+    env = {kk: v for kk, v in os.environ.items() if kk != "LUCEBOX_MGPU_TUNED"}
+    shipped = subprocess.run([sys.executable, "-c", code], cwd=here, env=env, capture_output=True, text=True,
+                             timeout=120)
+    other = subprocess.run([sys.executable, "-c", code], cwd=here, env={**env, "LUCEBOX_MGPU_TUNED": str(path)},
+                           capture_output=True, text=True, timeout=120)
+    assert other.stdout.split() == ["7", "False", "2"], other.stderr[-500:]
+    assert shipped.stdout.split() and shipped.stdout.split() != ["7", "False", "2"], shipped.stderr[-500:]
