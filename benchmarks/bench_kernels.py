@@ -12,8 +12,8 @@
 The kernels run with their registered defaults (`default_config` in each pallas_kernels module).
 `--sections ...,qsweep` first times qmatmul variants and uses the winners; `--sweep` only times variants.
 `--sections copy,decode_knobs`: the batch-8 decode attention at S = 1k and 4k (the 8B batch-8 step's attention: 787
-of its 3,265 us on an H100, ~48% of copy bandwidth), the engine's default against 10 block / warp / stage / split
-settings (`DECODE_KNOBS`) and jax's gqa kernel.
+of its 3,265 us on an H100, ~48% of copy bandwidth), the kernel's defaults (the engine's knobs at batch 8; the splits
+merged by XLA here) against 10 block / warp / stage / split settings (`DECODE_KNOBS`) and jax's gqa kernel.
 `--sections copy,qsweep2` runs the staged M <= 16 int4 GEMV sweep (see `qsweep2`) and writes the best config per
 (shape, group, M-bucket) to $OUT/int4_tuned.json (copy it to pallas_kernels/int4_tuned.json); `--small` is its CPU
 smoke test (tiny shapes, interpret mode).

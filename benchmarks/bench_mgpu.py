@@ -169,7 +169,8 @@ def main():
                 p_us = row.get("pallas_us")
                 tuned[km.tuned_key(km.m_bucket(m), k, n, g, bits)] = {
                     "cfg": best["cfg"], "us": round(best["us"], 2), "pallas_us": p_us and round(p_us, 2),
-                    "default": bool(p_us and best["us"] < p_us), "measured": f"{time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}"}
+                    "default": bool(p_us and best["us"] < p_us),
+                    "measured": f"{time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}"}
             RES["rows"].append(row)
             del sets, msets, psets
             with open(os.path.join(OUT, "bench_mgpu.json"), "w") as f:
