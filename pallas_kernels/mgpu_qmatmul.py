@@ -216,8 +216,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"tile_t {cfg.tile_t} must be a multiple of 16 up to 256"
     if g < min(cfg.tile_t, 64):  # wgmma steps K by the x^T tile's swizzle width (tile_t bf16, at most 128 bytes)
         return f"group {g} is narrower than the {min(cfg.tile_t, 64)}-row K step of a {cfg.tile_t}-token tile"
-    if cfg.stream_k and (cfg.split_k != 1 or cfg.pdl):
-        return "stream_k takes split_k 1 (it splits K itself) and no pdl"
+    if cfg.stream_k and cfg.split_k != 1:
+        return "stream_k takes split_k 1 (it splits K itself)"
     if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(g, bits)):
         return "split_decode needs perm loads (int4 in groups of 64, 128 or 256)"
     return None
@@ -409,10 +409,12 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         if cfg.pdl and not lhs_smem:
             # Launched early (PDL), before the kernel that writes x has finished: the weights do not depend on it, so
             # this CTA's first work item's first `steps` steps of codes go to L2 now; nothing reads x before the wait
-            first = lax.axis_index("sm")
-            g0 = (first % splits) * steps_per_split * gps
-            pre = min(cfg.steps, steps_per_split) * gps
-            plgpu.async_prefetch(c_gmem.at[pl.ds(g0, pre), pl.ds(first // splits // t_tiles * cta_m, cta_m), :])
+            # (a stream-K CTA's first step sits anywhere in a tile: it only waits)
+            if not stream:
+                first = lax.axis_index("sm")
+                g0 = (first % splits) * steps_per_split * gps
+                pre = min(cfg.steps, steps_per_split) * gps
+                plgpu.async_prefetch(c_gmem.at[pl.ds(g0, pre), pl.ds(first // splits // t_tiles * cta_m, cta_m), :])
             plgpu.griddepcontrol_wait()
             plgpu.griddepcontrol_launch_dependents()  # the next kernel's own launch may overlap this one's tail
 

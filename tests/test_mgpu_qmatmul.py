@@ -240,26 +240,31 @@ def test_scale_after_interpret_matches_reference_and_lowers():
     assert "mosaic_gpu" in txt
 
 
-@pytest.mark.parametrize("k,n,g,bits,m,k_perm,sym", [(14336, 4096, 128, 4, 1, True, True),
-                                                     (4096, 4096, 32, 4, 1, False, False),
-                                                     (4096, 128256, 32, 8, 9, False, True)])
-def test_programmatic_dependent_launch_lowers_for_h200(k, n, g, bits, m, k_perm, sym):
-    """`pdl`: the kernel prefetches its first weight steps to L2, then waits for the grid before it
-    (griddepcontrol.wait) and lets the next one launch; the module is marked for a PDL launch. Whether the launch
-    overlaps is for the GPU benchmark (LUCEBOX_MGPU_PDL=1)."""
+@pytest.mark.parametrize("k,n,g,bits,m,k_perm,sym,stream", [(14336, 4096, 128, 4, 1, True, True, False),
+                                                            (4096, 4096, 32, 4, 1, False, False, False),
+                                                            (4096, 128256, 32, 8, 9, False, True, False),
+                                                            (4096, 28672, 128, 4, 1, True, True, True)])
+def test_programmatic_dependent_launch_lowers_for_h200(k, n, g, bits, m, k_perm, sym, stream):
+    """`pdl`: the kernel prefetches its first weight steps to L2 (not on stream-K, whose CTAs start mid-tile), then
+    waits for the grid before it (griddepcontrol.wait) and lets the next one launch; the module is marked for a PDL
+    launch. Whether the launch overlaps is for the GPU benchmark (LUCEBOX_MGPU_PDL=1)."""
     sds = jax.ShapeDtypeStruct
     cfg = dataclasses.replace(mg.default_config(m, k, n, g, bits), pdl=True)
+    if stream:
+        cfg = dataclasses.replace(cfg, stream_k=True, split_k=1, groups=1)
     w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
                       scales=sds((k // g, n), jnp.float16), offsets=None if sym else sds((k // g, n), jnp.float16),
                       group_size=g, bits=bits, k_perm=k_perm)
     with abstract_h200():
         txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
             sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "uses_pdl" in txt and "griddepcontrol.wait" in txt and "prefetch" in txt
+    assert "uses_pdl" in txt and "griddepcontrol.wait" in txt
     plain = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, dataclasses.replace(cfg, pdl=False)))
     with abstract_h200():
-        txt = plain.trace(sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
-    assert "uses_pdl" not in txt and "griddepcontrol" not in txt
+        plain_txt = plain.trace(sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "uses_pdl" not in plain_txt and "griddepcontrol" not in plain_txt
+    # (the TMA descriptors are prefetched either way: the weights' L2 prefetch is the extra one)
+    assert (txt.count("prefetch") > plain_txt.count("prefetch")) != stream
 
 
 def test_pdl_interprets_like_the_reference():
