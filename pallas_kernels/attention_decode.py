@@ -186,6 +186,7 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_split, nsp):
 
 FEW_ROW_HEADS = 32  # below this many (query row, kv head) pairs a call gets one 32-key tile a program ...
 FEW_ROW_MAX_SEQ = 2048  # ... in caches up to this long (64 splits; longer ones were not measured so)
+WIDE_HEAD_32_MAX_SEQ = 4096  # more pairs, D >= 128: 32-key tiles up to this cache length (64 beyond, and at D < 128)
 
 
 def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False) -> dict:
@@ -195,6 +196,9 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     software pipeline (num_stages 1) at D >= 128. On the H100 (2026-12-06, context 1,024) the 8B shapes' attention
     went 256 -> 154 us a step (2.66 -> 2.58 ms) and the embedded shapes' (D = 64, 3 stages) 118 -> 89 us. The
     row-invariant mode decides by the cache alone (as for one row), so a row rounds the same in any batch.
+    More pairs at D >= 128 (the 8B shapes' batch 8) take 32-key tiles up to a 4k cache, the splits unchanged (each
+    program's chunk in 4 tiles, not 2): H100, 2026-12-06, batch 8 at 1k the step went 3.19 -> 3.00 ms, the kernel
+    alone 18.7 -> 16.9 us at 1k and 52.0 -> 50.3 us at 4k (benchmarks/RESULTS.md); D = 64 was not measured so.
     The splits are merged by a second Pallas kernel (`combine="kernel"`): on the H200 the 8B batch-1 step ran 400
     tok/s with it against 394 with XLA's 2-4 fusions a call (2026-12-05); LUCEBOX_ATTN_COMBINE=xla restores those."""
     combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "kernel")
@@ -203,7 +207,8 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     elif (1 if row_invariant else b) * hkv < FEW_ROW_HEADS and s <= FEW_ROW_MAX_SEQ:
         cfg = dict(block_k=32, n_split=_cdiv(s, 32), num_warps=4, num_stages=1 if d >= 128 else 3, combine=combine)
     else:
-        cfg = dict(block_k=64, n_split=None, num_warps=4, num_stages=3, combine=combine)
+        cfg = dict(block_k=32 if d >= 128 and s <= WIDE_HEAD_32_MAX_SEQ else 64, n_split=None, num_warps=4,
+                   num_stages=3, combine=combine)
     return {**cfg, **env_overrides()}
 
 
