@@ -184,7 +184,7 @@ def test_attention_decode(b, hq, hkv, s, d, lens, dt, kw):
 
 def test_attention_decode_default_config_few_rows(monkeypatch):
     """Few (row, kv head) pairs get one 32-key tile a program (as many splits as tiles), without Triton's pipeline
-    at D >= 128; more pairs keep the looped 64-key tiles; the row-invariant mode decides as for one row; and the
+    at D >= 128; more pairs loop over 32-key tiles (64 at D < 128 or past a 4k cache); the row-invariant mode decides as for one row; and the
     one-tile-a-program configuration computes the reference."""
     from pallas_kernels import attention_decode as ad
 
@@ -194,7 +194,9 @@ def test_attention_decode_default_config_few_rows(monkeypatch):
     assert ad.default_config(1, 3, 1280, 64)["num_stages"] == 3  # the embedded shapes kept Triton's pipeline
     assert ad.default_config(1, 8, 4096, 128)["n_split"] is None  # a long cache: the looped tiles (not measured)
     many = ad.default_config(8, 8, 1280, 128)
-    assert (many["block_k"], many["n_split"], many["num_stages"]) == (64, None, 3)
+    assert (many["block_k"], many["n_split"], many["num_stages"]) == (32, None, 3)  # 8B batch 8: 32-key tiles ...
+    assert ad.default_config(8, 8, 8192, 128)["block_k"] == 64  # ... up to a 4k cache
+    assert ad.default_config(32, 3, 1280, 64)["block_k"] == 64  # ... at D >= 128 (the embedded shapes keep 64)
     assert ad.default_config(8, 8, 1280, 128, row_invariant=True)["n_split"] == 40
     monkeypatch.setenv("LUCEBOX_ATTN_DECODE", "block_k=64,n_split=10,num_stages=3")  # the old batch-1 choice
     assert ad.default_config(1, 8, 1280, 128)["block_k"] == 64
