@@ -189,7 +189,7 @@ FEW_ROW_MAX_SEQ = 2048  # ... in caches up to this long (64 splits; longer ones 
 WIDE_HEAD_32_MAX_SEQ = 4096  # more pairs, D >= 128: 32-key tiles up to this cache length (64 beyond, and at D < 128)
 
 
-def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False) -> dict:
+def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False, mapped_rows: bool = False) -> dict:
     """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps beyond.
     Few rows (b * hkv < FEW_ROW_HEADS: a batch-1 step), cache up to 2k: one 32-key tile a program, as many programs
     as the cache has tiles, the programs' latency chains side by side instead of a loop of 2 tiles; without Triton's
@@ -199,6 +199,8 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     More pairs at D >= 128 (the 8B shapes' batch 8) take 32-key tiles up to a 4k cache, the splits unchanged (each
     program's chunk in 4 tiles, not 2): H100, 2026-12-06, batch 8 at 1k the step went 3.19 -> 3.00 ms, the kernel
     alone 18.7 -> 16.9 us at 1k and 52.0 -> 50.3 us at 4k (benchmarks/RESULTS.md); D = 64 was not measured so.
+    Rows mapped onto cache rows (`mapped_rows`: a speculative verify's window) keep 64-key tiles: the 8B verify of 9
+    rows measured 3.14 ms with 32-key tiles against 3.06 with 64 (same call).
     The splits are merged by a second Pallas kernel (`combine="kernel"`): on the H200 the 8B batch-1 step ran 400
     tok/s with it against 394 with XLA's 2-4 fusions a call (2026-12-05); LUCEBOX_ATTN_COMBINE=xla restores those."""
     combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "kernel")
@@ -207,7 +209,8 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     elif (1 if row_invariant else b) * hkv < FEW_ROW_HEADS and s <= FEW_ROW_MAX_SEQ:
         cfg = dict(block_k=32, n_split=_cdiv(s, 32), num_warps=4, num_stages=1 if d >= 128 else 3, combine=combine)
     else:
-        cfg = dict(block_k=32 if d >= 128 and s <= WIDE_HEAD_32_MAX_SEQ else 64, n_split=None, num_warps=4,
+        narrow = d >= 128 and s <= WIDE_HEAD_32_MAX_SEQ and not mapped_rows
+        cfg = dict(block_k=32 if narrow else 64, n_split=None, num_warps=4,
                    num_stages=3, combine=combine)
     return {**cfg, **env_overrides()}
 
@@ -360,7 +363,8 @@ def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale
                             window_rows: int = 0, interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], overrides.get("row_invariant", False))
+    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], overrides.get("row_invariant", False),
+                         mapped_rows=rows is not None)
     cfg.update(overrides)
     return attention_decode(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
                             scale=float(scale), interpret=interpret, **cfg)

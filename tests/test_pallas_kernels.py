@@ -197,6 +197,7 @@ def test_attention_decode_default_config_few_rows(monkeypatch):
     assert (many["block_k"], many["n_split"], many["num_stages"]) == (32, None, 3)  # 8B batch 8: 32-key tiles ...
     assert ad.default_config(8, 8, 8192, 128)["block_k"] == 64  # ... up to a 4k cache
     assert ad.default_config(32, 3, 1280, 64)["block_k"] == 64  # ... at D >= 128 (the embedded shapes keep 64)
+    assert ad.default_config(72, 8, 1280, 128, mapped_rows=True)["block_k"] == 64  # ... not in a verify's rows
     assert ad.default_config(8, 8, 1280, 128, row_invariant=True)["n_split"] == 40
     monkeypatch.setenv("LUCEBOX_ATTN_DECODE", "block_k=64,n_split=10,num_stages=3")  # the old batch-1 choice
     assert ad.default_config(1, 8, 1280, 128)["block_k"] == 64
