@@ -27,7 +27,7 @@ from .quant import Int8Array, QuantArray
 INTERPRET = False  # tests set plgpu.InterpretGPUParams() to run the kernel in Mosaic GPU's interpreter on the CPU
 # LUCEBOX_MGPU_PDL=1 (read at import): every configuration with `pdl` (programmatic dependent launch: a kernel
 # prefetches its first weights while the kernel before it finishes). Off: it made the H200's 8B decode step 20% slower
-# (and the H100's 2.5% slower beside XLA's --xla_gpu_enable_pdl kernels, which alone changed nothing).
+# (and the H100's 2.6% slower beside XLA's --xla_gpu_enable_pdl kernels, which alone changed nothing).
 PDL = os.environ.get("LUCEBOX_MGPU_PDL", "") == "1"
 # LUCEBOX_MGPU_DECODE (read at import): how int4 codes on the `perm` load path become bf16. `split` (default):
 # `split_decode` on every configuration that takes it, the weights repacked in the split order (H100, 8B step: the

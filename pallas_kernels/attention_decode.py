@@ -190,7 +190,8 @@ WIDE_HEAD_32_MAX_SEQ = 4096  # more pairs, D >= 128: 32-key tiles up to this cac
 
 
 def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False, mapped_rows: bool = False) -> dict:
-    """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps beyond.
+    """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps from 16k
+    (32-key tiles since, below).
     Few rows (b * hkv < FEW_ROW_HEADS: a batch-1 step), cache up to 2k: one 32-key tile a program, as many programs
     as the cache has tiles, the programs' latency chains side by side instead of a loop of 2 tiles; without Triton's
     software pipeline (num_stages 1) at D >= 128. On the H100 (2026-12-06, context 1,024) the 8B shapes' attention
@@ -210,8 +211,7 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
         cfg = dict(block_k=32, n_split=_cdiv(s, 32), num_warps=4, num_stages=1 if d >= 128 else 3, combine=combine)
     else:
         narrow = d >= 128 and s <= WIDE_HEAD_32_MAX_SEQ and not mapped_rows
-        cfg = dict(block_k=32 if narrow else 64, n_split=None, num_warps=4,
-                   num_stages=3, combine=combine)
+        cfg = dict(block_k=32 if narrow else 64, n_split=None, num_warps=4, num_stages=3, combine=combine)
     return {**cfg, **env_overrides()}
 
 

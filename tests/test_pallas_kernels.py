@@ -184,8 +184,8 @@ def test_attention_decode(b, hq, hkv, s, d, lens, dt, kw):
 
 def test_attention_decode_default_config_few_rows(monkeypatch):
     """Few (row, kv head) pairs get one 32-key tile a program (as many splits as tiles), without Triton's pipeline
-    at D >= 128; more pairs loop over 32-key tiles (64 at D < 128 or past a 4k cache); the row-invariant mode decides as for one row; and the
-    one-tile-a-program configuration computes the reference."""
+    at D >= 128; more pairs loop over 32-key tiles (64 at D < 128, past a 4k cache or in a verify's mapped rows);
+    the row-invariant mode decides as for one row; and the one-tile-a-program configuration computes the reference."""
     from pallas_kernels import attention_decode as ad
 
     monkeypatch.delenv("LUCEBOX_ATTN_DECODE", raising=False)
