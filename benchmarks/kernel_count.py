@@ -320,6 +320,13 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
     rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b, static=True)  # as LLM.generate runs it
     seen = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.bool_)
     tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    if args.verify_syn:  # a speculative chain verify of K = --verify-syn drafts (K + 1 rows a sequence)
+        from lucebox_jax import speculative
+
+        drafts = jax.ShapeDtypeStruct((b, args.verify_syn), jnp.int32)
+        active = jax.ShapeDtypeStruct((b,), jnp.bool_)
+        return compile_for(dev, speculative.verify_step, (cfg, ks), (w, cache, tokens, drafts, None, rp, seen, active),
+                           n_logprobs=0)
     return compile_for(dev, engine.decode_step, (cfg, ks), (w, cache, tokens, rp, seen), n_logprobs=0)
 
 
@@ -360,6 +367,8 @@ def main(argv=None) -> int:
     p.add_argument("--synthetic", default=None, help="count one decode step of these synthetic.PRESETS shapes "
                    "instead (e.g. llama3-8b); --configs is ignored")
     p.add_argument("--batch-syn", type=int, default=1, help="rows of the synthetic decode step")
+    p.add_argument("--verify-syn", type=int, default=0, help="with --synthetic: count a chain verify of this many "
+                   "drafts instead of a decode step")
     p.add_argument("--context", type=int, default=1024, help="cache length of the synthetic decode step")
     p.add_argument("--group", type=int, default=128, help="int4 group size of the synthetic weights (as bench_decode)")
     p.add_argument("--branch", choices=("smallest", "largest"), default="smallest",
@@ -382,7 +391,8 @@ def main(argv=None) -> int:
     dev = aot_device()
     if args.synthetic:
         cpu_llm = gpu_engine = None
-        args.configs = f"decode:{args.synthetic}:batch{args.batch_syn}"
+        args.configs = (f"verify{args.verify_syn}" if args.verify_syn else "decode") + \
+            f":{args.synthetic}:batch{args.batch_syn}"
     ops._load_builtins()
     chosen = {op: ops._DEFAULTS["gpu"][op] for op in ops.OPS}
     chosen.update(ops._DEFAULTS.get("gpu:sm90", {}))

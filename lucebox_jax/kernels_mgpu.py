@@ -175,22 +175,30 @@ def _any_measured_faster() -> tuple[str, ...]:
     return ("gpu:sm90",) if HOPPER_DEFAULT and any(e.get("default") for e in tuned_table().values()) else ()
 
 
-@ops.register("qmatmul", "mgpu", prepare=prepare, usable=hopper_reason)
+def padded_rows(m: int) -> int:
+    """Rows the kernel runs m as: TMA takes x's rows as they are up to 8, past that a multiple of 8 (mgpu_matmul pads
+    to it, one XLA kernel a call, unless the caller's rows are already so)."""
+    return m if m <= 8 or m > MGPU_MAX_M else -(-m // 8) * 8
+
+
+@ops.register("qmatmul", "mgpu", prepare=prepare, usable=hopper_reason, rows=padded_rows)
 def qmatmul_mgpu_op(x, w):
     return _run(x, w, _pallas_or_xla("qmatmul"))
 
 
-@ops.register("qmatmul8", "mgpu", prepare=prepare, usable=hopper_reason)
+@ops.register("qmatmul8", "mgpu", prepare=prepare, usable=hopper_reason, rows=padded_rows)
 def qmatmul8_mgpu_op(x, w):
     return _run(x, w, _pallas_or_xla("qmatmul8"))
 
 
 # `best`: mgpu per shape where measured faster, Pallas-Triton elsewhere
-@ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster())
+@ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster(),
+              rows=padded_rows)
 def qmatmul_best_op(x, w):
     return _run(x, w, _pallas_or_xla("qmatmul"))
 
 
-@ops.register("qmatmul8", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster())
+@ops.register("qmatmul8", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster(),
+              rows=padded_rows)
 def qmatmul8_best_op(x, w):
     return _run(x, w, _pallas_or_xla("qmatmul8"))

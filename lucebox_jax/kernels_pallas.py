@@ -68,21 +68,26 @@ else:
             return kernels_xla.qmatmul8_xla(x, w)
         return qmatmul8_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
 
+    def _pad_rows(o, out_rows: int):  # [B, H, D] -> [max(B, out_rows), H, D], zero past B
+        return jnp.pad(o, ((0, max(out_rows - o.shape[0], 0)), (0, 0), (0, 0)))
+
     def _windowed(k, window) -> bool:
         return window is not None and window < k.shape[2]
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
     def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
-                                   window_rows=0, window_anc=None):
+                                   window_rows=0, window_anc=None, out_rows=0):
         if not _pow2(q.shape[-1]) or _windowed(k, window):
             if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
-                return kernels_xla.tree_rows_xla(q, k, v, lengths, window_anc, window_rows, scale=scale)
+                o, k, v = kernels_xla.tree_rows_xla(q, k, v, lengths, window_anc, window_rows, scale=scale)
+                return _pad_rows(o, out_rows), k, v
             if append:  # write first, as the model does for a kernel without `append`
                 hkv, t = k.shape[1], max(window_rows, 1)  # (window_rows: B windows of t rows, rows b * t + j)
                 q, k_new, v_new = q[:, :-2 * hkv], q[:, -2 * hkv:-hkv], q[:, -hkv:]
                 k, v = (kernels_xla.write_kv(c, n.reshape(-1, t, *n.shape[1:]), lengths[::t] - 1)
                         for c, n in ((k, k_new), (v, v_new)))
             o = kernels_xla.attention_decode_xla(q, k, v, lengths, rows, scale=scale, window=window)
+            o = _pad_rows(o, out_rows)
             return (o, k, v) if append else o
         win_mask = None
         if window_anc is not None:  # [B * T, T] -> the kernel's bits, the same for every query head of a row
@@ -90,7 +95,8 @@ else:
             win_mask = jnp.broadcast_to(words[:, None], (words.shape[0], q.shape[1] - 2 * k.shape[1],
                                                           words.shape[1]))
         return attention_decode_pallas(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
-                                       scale=scale, interpret=_interpret(), row_invariant=_invariant())
+                                       out_rows=out_rows, scale=scale, interpret=_interpret(),
+                                       row_invariant=_invariant())
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
     def attention_prefill_pallas_op(q, k, v, start, *, scale, window=None):

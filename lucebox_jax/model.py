@@ -108,6 +108,9 @@ APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
 # ... and a tree verify of at most TREE_AS_ROWS rows (nodes and root), as decode rows with its ancestors as bits
 # (LUCEBOX_TREE_ROWS=N sets it; 0: the tree attention kernel over the window written first)
 TREE_AS_ROWS = int(os.environ.get("LUCEBOX_TREE_ROWS", "32") or "32")
+# the residual stream kept at the matmul kernel's padded rows (ops.padded_rows; LUCEBOX_PAD_ROWS=0: the kernel pads
+# each input itself, the A/B in benchmarks)
+PAD_ROWS = os.environ.get("LUCEBOX_PAD_ROWS", "1") != "0"
 # a speculative verify of at most this many positions runs its attention as decode rows (`forward(verify=True)`)
 VERIFY_AS_DECODE_ROWS = 16
 
@@ -212,6 +215,17 @@ def tree_rows(c, win, start, tree):
     return jax.vmap(lambda cc, n, st: jax.lax.dynamic_update_slice(cc, n, (0, st, 0)))(rows, kv, jnp.repeat(start, t))
 
 
+def to_rows(v, r: int):
+    """[B, T, X] -> [r, X]: the B * T rows, then zero rows up to r (`forward`'s padded residual stream)."""
+    v = v.reshape(-1, v.shape[-1])
+    return jnp.pad(v, ((0, r - v.shape[0]), (0, 0)))
+
+
+def from_rows(v, b: int, t: int):
+    """[r, X] -> [B, T, X]: the real rows of `to_rows`."""
+    return v[: b * t].reshape(b, t, v.shape[-1])
+
+
 def _decode_rows(positions):
     """A verify's B x T positions as decode rows: (lengths [B * T], cache row of each [B * T])."""
     b, t = positions.shape
@@ -263,6 +277,12 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     x = w.embed.lookup(tokens, dt)
     if cfg.embed_scale != 1.0:
         x = (x.astype(jnp.float32) * cfg.embed_scale).astype(dt)
+    # where the matmul kernel would pad B * T rows to more (mgpu: 9 -> 16), the residual stream is kept at that many
+    # rows, zero past B * T: the norms then write the matmuls' inputs padded, and no pad kernel runs before them
+    n_rows = ops.padded_rows("qmatmul", kernels.qmatmul, b * t) if PAD_ROWS else b * t
+    pad = (lambda v: to_rows(v, n_rows)) if n_rows > b * t else (lambda v: v)
+    unpad = (lambda v: from_rows(v, b, t)) if n_rows > b * t else (lambda v: v)
+    x = pad(x)
     new_k, new_v = [], []
     decode = t == 1
     # a short verify's positions as decode rows: on the H200 an 8B verify of 9 rows spent 914 us a step in the prefill
@@ -284,11 +304,14 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
                    and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
     # a short tree the same way: node t a decode row writing its K/V at slot start + t and seeing its ancestors
     tree_rows_anc = None
+    # ... and hands its output over padded to the residual stream's rows, where it can (no pad kernel before o)
+    out_rows = ({"out_rows": n_rows} if n_rows > b * t and ops.accepts("attention_decode", kernels.attention_decode,
+                                                                      "out_rows") else {})
     if (tree is not None and not tree_as_decode and t <= TREE_AS_ROWS
             and ops.accepts("attention_decode", kernels.attention_decode, "window_anc")):
         tree_rows_anc = tree[1].reshape(b * t, t)
     for i, lw in enumerate(w.layers):
-        qkv = normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels)
+        qkv = unpad(normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels))
         q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
         q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
         if lw.q_norm is not None:
@@ -311,15 +334,16 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             anc = {} if tree is None else {"window_anc": tree_rows_anc}
             o, kc, vc = ops.get("attention_decode", kernels.attention_decode)(
                 jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i], cache.v[i], lens,
-                rows, scale=scale, append=True, window_rows=t, **extra, **anc)
-            o = o.reshape(b, t, hq, hd)
+                rows, scale=scale, append=True, window_rows=t, **extra, **anc, **out_rows)
+            o = o.reshape(n_rows, hq, hd) if out_rows else o.reshape(b, t, hq, hd)
         else:
             kc, vc = _write_kv(cache.k[i], k, start), _write_kv(cache.v[i], v, start)
             o = _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra, decode, as_decode,
                         tree_as_decode, tree_extra)
         new_k.append(kc)
         new_v.append(vc)
-        o = linear(o.reshape(b, t, hq * hd), lw.wo, kernels=kernels)
+        o = linear(o.reshape(n_rows, hq * hd) if o.ndim == 3 else pad(o.reshape(b, t, hq * hd)),  # 3: out_rows
+                   lw.wo, kernels=kernels)
         x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
         gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels),
                                lw.gate_up_groups, (cfg.ffn_dim, cfg.ffn_dim))
@@ -327,7 +351,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         o = linear((act * up.astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
         x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))
         if hidden_layers is not None and i in hidden_layers:
-            hidden[hidden_layers.index(i)] = x
+            hidden[hidden_layers.index(i)] = unpad(x)
+    x = unpad(x)
     if last_only is not None:  # kept [B, 1, D]: a reduction over [B, D] may round differently (row invariance)
         x = jnp.take_along_axis(x, last_only[:, None, None], axis=1)
     x = rms_norm(x, w.final_norm, cfg.rms_eps)

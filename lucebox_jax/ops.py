@@ -68,15 +68,17 @@ OP_SIGNATURES = {
 _REGISTRY: dict[str, dict[str, Callable]] = {op: {} for op in OPS}
 _PREPARE: dict[tuple[str, str], Callable] = {}
 _USABLE: dict[tuple[str, str], Callable[[], str | None]] = {}
+_ROWS: dict[tuple[str, str], Callable[[int], int]] = {}
 _DEFAULTS: dict[str, dict[str, str]] = {"cpu": {op: "xla" for op in OPS}, "gpu": {op: "xla" for op in OPS}}
 _BUILTIN_MODULES = ("lucebox_jax.kernels_xla", "lucebox_jax.kernels_pallas", "lucebox_jax.kernels_mgpu")
 _loaded = False
 
 
 def register(op: str, name: str, *, default_on: tuple[str, ...] = (), prepare: Callable | None = None,
-             usable: Callable[[], str | None] | None = None):
+             usable: Callable[[], str | None] | None = None, rows: Callable[[int], int] | None = None):
     """Decorator: register `fn` as implementation `name` of `op`; `default_on` lists backends where it is default,
-    `prepare` repacks a weight once at engine build, `usable()` says why it cannot run here (None if it can)."""
+    `prepare` repacks a weight once at engine build, `usable()` says why it cannot run here (None if it can),
+    `rows(m)` how many rows a matmul kernel runs m rows as (`padded_rows`)."""
     if op not in _REGISTRY:
         raise UnknownKernelError(f"unknown op {op!r}; valid ops: {', '.join(OPS)}")
 
@@ -86,6 +88,8 @@ def register(op: str, name: str, *, default_on: tuple[str, ...] = (), prepare: C
             _PREPARE[(op, name)] = prepare
         if usable is not None:
             _USABLE[(op, name)] = usable
+        if rows is not None:
+            _ROWS[(op, name)] = rows
         for backend in default_on:
             _DEFAULTS.setdefault(backend, {})[op] = name
         return fn
@@ -179,6 +183,14 @@ def get(op: str, name: str | None = None) -> Callable:
         raise UnknownKernelError(
             f"unknown kernel {name!r} for op {op!r}; valid: {', '.join(sorted(_REGISTRY[op]))}"
         ) from None
+
+
+def padded_rows(op: str, name: str, m: int) -> int:
+    """How many rows implementation `name` of `op` runs an [m, K] input as: more than m where the kernel pads its
+    input itself (a kernel of its own). A caller that keeps its activations at that many rows saves those pads."""
+    _load_builtins()
+    fn = _ROWS.get((op, name))
+    return max(m, fn(m)) if fn is not None else m
 
 
 def accepts(op: str, name: str, param: str) -> bool:

@@ -170,10 +170,12 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         plgpu.store(l_ref.at[b, h, sp, pl.ds(0, bh)], l_i, mask=rmask)
 
 
-def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_split, nsp):
+def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_split, nsp, bsz):
     """One program per (row, kv head, query head of the group): its n_split partials in one [nsp, D] load (a loop
-    over the splits waits on one load after another), merged by their maxima."""
-    b, h, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    over the splits waits on one load after another), merged by their maxima. Rows from bsz on (`out_rows`) are
+    zeros."""
+    row, h, gi = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    b = jnp.minimum(row, bsz - 1)
     smask = jnp.arange(nsp) < n_split
     m = plgpu.load(m_ref.at[b, h, pl.ds(0, nsp), gi], mask=smask, other=_NEG)  # [nsp]
     l = plgpu.load(l_ref.at[b, h, pl.ds(0, nsp), gi], mask=smask, other=0)
@@ -181,7 +183,7 @@ def _combine_kernel(o_ref, m_ref, l_ref, out_ref, *, n_split, nsp):
     w = jnp.exp2(m - jnp.max(m))
     l_tot = jnp.sum(w * l)
     out = jnp.sum(w[:, None] * o, axis=0) / jnp.where(l_tot > 0, l_tot, 1.0)
-    plgpu.store(out_ref.at[b, h, gi, :], out.astype(out_ref.dtype))
+    plgpu.store(out_ref.at[row, h, gi, :], jnp.where(row < bsz, out, 0.0).astype(out_ref.dtype))
 
 
 FEW_ROW_HEADS = 32  # below this many (query row, kv head) pairs a call gets one 32-key tile a program ...
@@ -233,13 +235,13 @@ def env_overrides() -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant", "partials", "combine", "append", "window_rows"),
+                     "row_invariant", "partials", "combine", "append", "window_rows", "out_rows"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
     row_invariant: bool = False, partials: bool = False, combine: str = "xla", append: bool = False,
-    window_rows: int = 0,
+    window_rows: int = 0, out_rows: int = 0,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -257,7 +259,9 @@ def attention_decode(
     slot lengths[b] - 1 (placed as a dynamic-update-slice places it) and attended there; returns (out, k, v), the
     caches updated in place (no partials with it, and win_mask only with window_rows). With `rows`, append needs
     `window_rows` = T: the rows
-    are B windows of T consecutive positions (module docstring), each row's key and value written at lengths - 1."""
+    are B windows of T consecutive positions (module docstring), each row's key and value written at lengths - 1.
+    out_rows > B: the output has that many rows, zero past B (a matmul's input padded in the combine kernel, not by a
+    pad kernel after it; not with partials)."""
     _, hkv, seq, _ = k.shape
     bsz, hq, d = q.shape
     hq -= 2 * hkv if append else 0
@@ -309,29 +313,35 @@ def attention_decode(
         interpret=interpret,
         name="attention_decode",
     )(lengths, *row_arg, qg, k, v, *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
+    assert not (partials and out_rows > bsz), "out_rows is for a finished output"
+    merge = functools.partial(_merge_splits, q=q, bsz=bsz, hq=hq, d=d, n_split=n_split, partials=partials,
+                              row_invariant=row_invariant, combine=combine, interpret=interpret,
+                              out_rows=max(out_rows, bsz))
     if append:
         *outs, k, v = outs
-        return _merge_splits(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret), k, v
-    return _merge_splits(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret)
+        return merge(outs), k, v
+    return merge(outs)
 
 
-def _merge_splits(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret):
-    """The kernel's outputs -> the attention output: as they are (one split), or the splits merged."""
+def _merge_splits(outs, *, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret, out_rows):
+    """The kernel's outputs -> the attention output: as they are (one split), or the splits merged; out_rows rows,
+    zero past bsz (by the combine kernel, else a pad)."""
     hkv = outs[0].shape[1]
     g = hq // hkv
+    pad = lambda o: o if out_rows == bsz else jnp.pad(o, ((0, out_rows - bsz), (0, 0), (0, 0)))  # noqa: E731
     if n_split == 1 and not partials:
-        return outs[0].reshape(bsz, hq, d)
+        return pad(outs[0].reshape(bsz, hq, d))
     o, m, l = outs
     if combine == "kernel" and not (partials or row_invariant):
         out = pl.pallas_call(
-            functools.partial(_combine_kernel, n_split=n_split, nsp=_next_pow2(n_split)),
-            out_shape=jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype),
-            grid=(bsz, hkv, g),
+            functools.partial(_combine_kernel, n_split=n_split, nsp=_next_pow2(n_split), bsz=bsz),
+            out_shape=jax.ShapeDtypeStruct((out_rows, hkv, g, d), q.dtype),
+            grid=(out_rows, hkv, g),
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
             interpret=interpret,
             name="attention_decode_combine",
         )(o, m, l)
-        return out.reshape(bsz, hq, d)
+        return out.reshape(out_rows, hq, d)
     assert combine in ("xla", "kernel"), combine
     m_max = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_max)  # [B, Hkv, ns, G]
@@ -341,7 +351,7 @@ def _merge_splits(outs, q, bsz, hq, d, n_split, partials, row_invariant, combine
     if partials:
         return o_tot.reshape(bsz, hq, d), m_max[:, :, 0].reshape(bsz, hq), l_tot.reshape(bsz, hq)
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-    return out.reshape(bsz, hq, d).astype(q.dtype)
+    return pad(out.reshape(bsz, hq, d).astype(q.dtype))
 
 
 def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
@@ -360,14 +370,14 @@ def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
 
 
 def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale, append: bool = False,
-                            window_rows: int = 0, interpret: bool | None = None, **overrides):
+                            window_rows: int = 0, out_rows: int = 0, interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], overrides.get("row_invariant", False),
                          mapped_rows=rows is not None)
     cfg.update(overrides)
     return attention_decode(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
-                            scale=float(scale), interpret=interpret, **cfg)
+                            out_rows=out_rows, scale=float(scale), interpret=interpret, **cfg)
 
 
 del math

@@ -150,3 +150,53 @@ def test_verify_whose_decode_kernel_appends_the_window_gives_the_written_then_at
         for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):
             assert jnp.allclose(a, c, atol=1e-4, rtol=1e-4)
         assert not (want_c.k[0][:, :, start[0]:start[0] + 5] == cache.k[0][:, :, start[0]:start[0] + 5]).all()
+
+
+def test_residual_stream_kept_at_the_matmul_kernels_padded_rows():
+    """A qmatmul kernel that registers `rows` (mgpu: 9 rows run as 16) gets its inputs already padded: forward keeps
+    the residual stream at that many rows, zero past B * T, and the Pallas decode kernel hands a verify's attention
+    output over padded (`out_rows`). Logits, cache and hidden states equal those of the same kernel without `rows`:
+    a verify as decode rows (2 x 5 -> 16 rows), a tree's nodes as decode rows, a prefill (3 -> 8 rows)."""
+    seen = []
+
+    def padded(x, w):
+        seen.append(x.shape[0])
+        return qmatmul_xla(x, w)
+
+    ops.register("qmatmul", "unpadded_test_kernel")(padded)
+    ops.register("qmatmul", "padded_test_kernel", rows=lambda m: -(-m // 8) * 8)(padded)
+    assert ops.padded_rows("qmatmul", "padded_test_kernel", 10) == 16
+    assert ops.padded_rows("qmatmul", "unpadded_test_kernel", 10) == 10
+    assert ops.accepts("attention_decode", "pallas", "out_rows")
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(4), group_size=32)
+    start = jnp.array([3, 7], jnp.int32)
+    cache = init_cache(cfg, 2, 32).replace(lengths=start)
+    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
+                                  for i, c in enumerate(cache.k)))
+    t = 5
+    depth = jnp.broadcast_to(jnp.array([0, 1, 1, 2, 2], jnp.int32), (2, t))  # root, two children, a grandchild each
+    parent = jnp.array([-1, 0, 0, 1, 2])
+    anc = jnp.eye(t, dtype=bool)
+    for j in range(1, t):
+        anc = anc.at[j].set(anc[j] | anc[parent[j]])
+    cases = [("verify", jnp.arange(10).reshape(2, 5) % cfg.vocab_size, dict(verify=True), 16),
+             ("tree", jnp.arange(10).reshape(2, 5) % cfg.vocab_size,
+              dict(verify=True, tree=(depth, jnp.broadcast_to(anc, (2, t, t)))), 16),
+             ("prefill", jnp.arange(3)[None] % cfg.vocab_size, {}, 8)]
+    for label, toks, kw, rows in cases:
+        b = toks.shape[0]
+        c = cache if b == 2 else init_cache(cfg, 1, 32)
+        s = start[:b] if b == 2 else jnp.zeros((1,), jnp.int32)
+        outs = []
+        for name in ("unpadded_test_kernel", "padded_test_kernel"):
+            seen.clear()
+            ks = KernelSet(qmatmul=name, attention_decode="pallas")
+            outs.append(forward(cfg, ks, w, c, toks, s, hidden_layers=(0, 1), **kw))
+            assert set(seen) == {toks.size if name.startswith("un") else rows}, (label, seen)
+        (want, want_c, want_h), (got, got_c, got_h) = outs
+        assert got.shape == want.shape and got_h.shape == want_h.shape, label
+        assert jnp.allclose(got, want, atol=1e-5, rtol=1e-5), label
+        assert jnp.allclose(got_h, want_h, atol=1e-5, rtol=1e-5), label
+        for a, e in zip(got_c.k + got_c.v, want_c.k + want_c.v):
+            assert jnp.allclose(a, e, atol=1e-5, rtol=1e-5), label

@@ -308,6 +308,40 @@ def test_attention_decode_appends_a_verify_window_gpu(b, t, hq, hkv, s, d, start
     _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=False)
 
 
+@pytest.mark.parametrize("combine,n_split", [("kernel", 4), ("xla", 4), ("kernel", 1)])
+def test_attention_decode_out_rows_pads_with_zero_rows(combine, n_split):
+    _check_out_rows(combine, n_split, interpret=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine,n_split", [("kernel", 4), ("xla", 4), ("kernel", 1)])
+def test_attention_decode_out_rows_pads_with_zero_rows_gpu(combine, n_split):
+    _check_out_rows(combine, n_split, interpret=False)
+
+
+def _check_out_rows(combine, n_split, interpret):
+    """out_rows (a matmul's padded input handed over by the kernel): the first B rows are those of the call without
+    it, bitwise, and the rest zeros; by the combine kernel, by XLA's merge, and with one split (no merge)."""
+    b, t, hq, hkv, s, d = 2, 5, 8, 2, 128, 32
+    rng = np.random.default_rng(12)
+    q = jnp.asarray(rng.standard_normal((b * t, hq + 2 * hkv, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
+    lens = (jnp.asarray([3, 60])[:, None] + 1 + jnp.arange(t)[None, :]).reshape(-1).astype(jnp.int32)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    outs = [attention_decode(q, k, v, lens, rows, scale=d**-0.5, interpret=interpret, append=True, window_rows=t,
+                             n_split=n_split, block_k=32, combine=combine, **({"out_rows": r} if r else {}))[0]
+            for r in (0, 16)]
+    want, got = (np.asarray(o, np.float32) for o in outs)
+    assert got.shape == (16, hq, d) and want.shape == (b * t, hq, d)
+    assert (got[: b * t] == want).all() and (got[b * t:] == 0).all()
+    # the registered op's XLA fallback (head size not a power of two) pads the same way
+    q24, k24, v24 = q[..., :24].astype(jnp.float32), k[..., :24].astype(jnp.float32), v[..., :24].astype(jnp.float32)
+    o0, o16 = (ops.get("attention_decode", "pallas")(q24, k24, v24, lens, rows, scale=0.2, append=True,
+                                                     window_rows=t, out_rows=r)[0] for r in (0, 16))
+    assert o16.shape == (16, hq, 24) and (o16[: b * t] == o0).all() and (o16[b * t:] == 0).all()
+
+
 def test_attention_decode_window_registered_fallback():
     """The registered op's XLA fallback (head size not a power of two) writes the window first and attends."""
     rng = np.random.default_rng(4)
