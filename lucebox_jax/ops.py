@@ -16,7 +16,8 @@ A matmul kernel may also register `prepare(w) -> w'`, run once per weight when a
 (`prepare_weights`), to repack weights into a layout of its own (e.g. `mgpu`); a prepared weight names its op
 (`matmul_op`) and kernel (`prepared_by`) so `quant.linear` dispatches it back there. `usable(backend) -> reason or
 None` marks kernels that run only on some hardware: choosing one elsewhere is refused with the list of those that
-can run. Defaults may be refined per GPU generation (`"gpu:sm90"` is consulted before `"gpu"` on Hopper).
+can run. `rows(m)` tells how many rows a matmul kernel runs m rows as (`padded_rows`): the model then keeps its
+activations padded so, and no pad kernel runs before each call. Defaults may be refined per GPU generation (`"gpu:sm90"` is consulted before `"gpu"` on Hopper).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ OP_SIGNATURES = {
         "optional append=True (q [B, Hq + 2 Hkv, D] also holds the step's own keys and values, which the kernel "
         "writes at lengths[b] - 1, returning (out, k, v)) and, with rows, window_rows=T (the rows are windows of T "
         "positions, written by the kernel; pallas_kernels/README.md) and window_anc [B, T] bool (the windows are "
-        "token trees: row t sees the window keys j where window_anc[row, j], not 0..t)"
+        "token trees: row t sees the window keys j where window_anc[row, j], not 0..t); optional out_rows=R with "
+        "append: the output padded with zero rows to R rows"
     ),
     "attention_tree": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "
