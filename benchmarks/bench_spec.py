@@ -312,10 +312,10 @@ def bench_synthetic(args):
     c1 = ModelConfig(arch="llama", vocab_size=cfg.vocab_size, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
                      head_dim=64, ffn_dim=8192, rope_theta=500000.0, max_context=8192, tied_embeddings=True,
                      dtype=dtype)
-    if left(args.budget) > 60:
+    if left(args.budget) > 60 and not args.no_syn_drafts:
         drafts.append(("llama3.2-1b-shape model", c1, random_weights(c1, jax.random.key(1))))
     for name, c, dw in drafts:
-        if left(args.budget) < 40:
+        if left(args.budget) < 40 or args.no_syn_drafts:
             RESULTS["skipped"].append(f"synthetic draft {name}")
             continue
         d = timed(loop_of(decode_fn(c), c), dw, fresh(c), label=f"draft {name}")
@@ -390,6 +390,7 @@ def main():
                     help="kernel choices for part B, e.g. attention_tree=pallas (default: the backend's defaults)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU kernels per target step of one embedded-model prompt, plain and speculative, per config")
+    ap.add_argument("--no-syn-drafts", action="store_true", help="part B: the verifies only, no draft models timed")
     ap.add_argument("--syn-profile", action="store_true",
                     help="part B: GPU kernels per step of each timed loop by category (JAX profiler)")
     ap.add_argument("--context", type=int, default=1024)

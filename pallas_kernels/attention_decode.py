@@ -50,6 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from .attention_window import packed_tiles, window_kernel
 from .int4_matmul import ordered_sum
 
 __all__ = ["attention_decode", "attention_decode_reference", "attention_decode_pallas"]
@@ -191,7 +192,13 @@ FEW_ROW_MAX_SEQ = 2048  # ... in caches up to this long (64 splits; longer ones 
 WIDE_HEAD_32_MAX_SEQ = 4096  # more pairs, D >= 128: 32-key tiles up to this cache length (64 beyond, and at D < 128)
 
 
-def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False, mapped_rows: bool = False) -> dict:
+# a verify's window in one program a kv head (`pack`; LUCEBOX_ATTN_PACK=0: one program a row, the A/B in benchmarks)
+PACK_WINDOWS = os.environ.get("LUCEBOX_ATTN_PACK", "1") != "0"
+PACKED_MIN_PROGRAMS = 64  # splits for packed windows: (windows x kv heads x splits) >= this many programs
+
+
+def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False, mapped_rows: bool = False,
+                   packed: bool = False) -> dict:
     """From the H200 measurement (B=8, Hkv=8, D=128): 64-key tiles / 4 warps up to 4k, 128 / 8 warps from 16k
     (32-key tiles since, below).
     Few rows (b * hkv < FEW_ROW_HEADS: a batch-1 step), cache up to 2k: one 32-key tile a program, as many programs
@@ -207,7 +214,10 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     The splits are merged by a second Pallas kernel (`combine="kernel"`): on the H200 the 8B batch-1 step ran 400
     tok/s with it against 394 with XLA's 2-4 fusions a call (2026-12-05); LUCEBOX_ATTN_COMBINE=xla restores those."""
     combine = os.environ.get("LUCEBOX_ATTN_COMBINE", "kernel")
-    if s >= 16384:
+    if packed:  # a window's positions x query heads, 16-128 rows a tile: 64-key tiles, splits for one wave or so
+        cfg = dict(block_k=64, n_split=None, min_programs=PACKED_MIN_PROGRAMS, num_warps=4, num_stages=3,
+                   combine=combine)
+    elif s >= 16384:
         cfg = dict(block_k=128, n_split=None, num_warps=8, num_stages=3, combine=combine)
     elif (1 if row_invariant else b) * hkv < FEW_ROW_HEADS and s <= FEW_ROW_MAX_SEQ:
         cfg = dict(block_k=32, n_split=_cdiv(s, 32), num_warps=4, num_stages=1 if d >= 128 else 3, combine=combine)
@@ -235,13 +245,13 @@ def env_overrides() -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant", "partials", "combine", "append", "window_rows", "out_rows"),
+                     "row_invariant", "partials", "combine", "append", "window_rows", "out_rows", "pack"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
     row_invariant: bool = False, partials: bool = False, combine: str = "xla", append: bool = False,
-    window_rows: int = 0, out_rows: int = 0,
+    window_rows: int = 0, out_rows: int = 0, pack: bool = False,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -261,7 +271,9 @@ def attention_decode(
     `window_rows` = T: the rows
     are B windows of T consecutive positions (module docstring), each row's key and value written at lengths - 1.
     out_rows > B: the output has that many rows, zero past B (a matmul's input padded in the combine kernel, not by a
-    pad kernel after it; not with partials)."""
+    pad kernel after it; not with partials).
+    pack=True (with window_rows): one program a window and kv head instead of one a row (`attention_window.py`): the
+    prefix is read once for the window's T positions; n_split is then chosen for B / T windows."""
     _, hkv, seq, _ = k.shape
     bsz, hq, d = q.shape
     hq -= 2 * hkv if append else 0
@@ -270,9 +282,11 @@ def attention_decode(
     bh = max(16, _next_pow2(g))
     bk = min(block_k, max(16, _next_pow2(seq)))
     max_split = _cdiv(seq, bk)
+    pack = pack and window_rows > 0 and not row_invariant
     if n_split is None:
         n_split = 1
-        while (1 if row_invariant else bsz) * hkv * n_split < min_programs and n_split * 2 <= max_split:
+        units = 1 if row_invariant else bsz // window_rows if pack else bsz  # programs a split, over kv heads
+        while units * hkv * n_split < min_programs and n_split * 2 <= max_split:
             n_split *= 2
     n_split = max(1, min(n_split, max_split))
     chunk = _cdiv(_cdiv(seq, n_split), bk) * bk
@@ -285,10 +299,14 @@ def attention_decode(
     assert not (nw and window_rows) or window_rows <= 32 * nw, (nw, window_rows)
     assert (append and rows is not None) == (window_rows > 0), "window_rows goes with append and rows"
     assert not window_rows or (bsz % window_rows == 0 and window_rows <= seq), (bsz, window_rows, seq)
-    kern = functools.partial(
-        _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split, partials=partials,
-        nw=nw, has_rows=rows is not None, append=append, win_rows=window_rows,
-    )
+    if pack:
+        kern = functools.partial(window_kernel, g=g, win_rows=window_rows, bk=bk, chunk=chunk, seq=seq,
+                                 qk_scale=scale * _LOG2E, n_split=n_split, partials=partials, nw=nw)
+    else:
+        kern = functools.partial(
+            _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split,
+            partials=partials, nw=nw, has_rows=rows is not None, append=append, win_rows=window_rows,
+        )
     if n_split == 1 and not partials:
         out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
     else:
@@ -307,7 +325,7 @@ def attention_decode(
     outs = pl.pallas_call(
         kern,
         out_shape=out_shape,
-        grid=(bsz, hkv, n_split),
+        grid=(bsz // window_rows if pack else bsz, hkv, n_split),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
@@ -373,11 +391,13 @@ def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale
                             window_rows: int = 0, out_rows: int = 0, interpret: bool | None = None, **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], overrides.get("row_invariant", False),
-                         mapped_rows=rows is not None)
+    invariant = overrides.get("row_invariant", False)
+    pack = PACK_WINDOWS and append and window_rows > 0 and not invariant
+    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], invariant, mapped_rows=rows is not None,
+                         packed=pack)
+    if pack and math.prod(packed_tiles(window_rows, q.shape[1] // k.shape[1] - 2)) >= 128:
+        cfg["num_warps"] = 8  # (a [128+, D] float32 accumulator: 8 warps hold it without spilling)
     cfg.update(overrides)
     return attention_decode(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
-                            out_rows=out_rows, scale=float(scale), interpret=interpret, **cfg)
+                            out_rows=out_rows, pack=pack, scale=float(scale), interpret=interpret, **cfg)
 
-
-del math

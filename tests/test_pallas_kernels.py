@@ -276,10 +276,11 @@ WINDOW_CASES = [  # B, T, Hq, Hkv, S, D, window starts, knobs
 ]
 
 
-def _check_window(b, t, hq, hkv, s, d, starts, kw, interpret):
+def _check_window(b, t, hq, hkv, s, d, starts, kw, interpret, pack=False):
     """append=True with rows and window_rows=T (a verify of T positions as B * T decode rows): the caches equal XLA's
     write of the window (kernels_xla.write_kv), and each row's output equals attending to that cache up to its own
-    position (not bitwise: the window is merged in another order)."""
+    position (not bitwise: the window is merged in another order). pack: one program a window (attention_window.py)
+    instead of one a row."""
     rng = np.random.default_rng(s + t)
     q, k_new, v_new = (jnp.asarray(rng.standard_normal((b * t, h, d)), jnp.bfloat16) for h in (hq, hkv, hkv))
     k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
@@ -290,22 +291,39 @@ def _check_window(b, t, hq, hkv, s, d, starts, kw, interpret):
     kc, vc = (kernels_xla.write_kv(c, n.reshape(b, t, hkv, d), start) for c, n in ((k, k_new), (v, v_new)))
     want = attention_decode_reference(q, kc, vc, lens, rows, scale=d**-0.5)
     fn = jax.jit(lambda q, k, v, L, R: attention_decode(q, k, v, L, R, scale=d**-0.5, interpret=interpret, append=True,
-                                                        window_rows=t, **kw), donate_argnums=(1, 2))
+                                                        window_rows=t, pack=pack, **kw), donate_argnums=(1, 2))
     out, k2, v2 = fn(jnp.concatenate([q, k_new, v_new], axis=1), k, v, lens, rows)
     assert (np.asarray(k2) == np.asarray(kc)).all() and (np.asarray(v2) == np.asarray(vc)).all()
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("pack", [False, True])
 @pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,kw", WINDOW_CASES)
-def test_attention_decode_appends_a_verify_window(b, t, hq, hkv, s, d, starts, kw):
-    _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=True)
+def test_attention_decode_appends_a_verify_window(b, t, hq, hkv, s, d, starts, kw, pack):
+    _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=True, pack=pack)
 
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,kw", WINDOW_CASES)
-def test_attention_decode_appends_a_verify_window_gpu(b, t, hq, hkv, s, d, starts, kw):
-    _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=False)
+@pytest.mark.parametrize("pack", [False, True])
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,kw", WINDOW_CASES + [(1, 9, 32, 8, 1024, 128, [600], {})])
+def test_attention_decode_appends_a_verify_window_gpu(b, t, hq, hkv, s, d, starts, kw, pack):
+    _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=False, pack=pack)
+
+
+def test_packed_window_is_the_per_row_kernel():
+    """The packed window (one program a window and kv head) gives the per-row kernel's output bitwise (interpret
+    mode): the same prefix tiles, the same window block, in the same order; the 8B verify's heads, 9 rows."""
+    b, t, hq, hkv, s, d = 1, 9, 32, 8, 256, 128
+    rng = np.random.default_rng(5)
+    qkv = jnp.asarray(rng.standard_normal((b * t, hq + 2 * hkv, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
+    lens = (100 + jnp.arange(t)).astype(jnp.int32)
+    rows = jnp.zeros((t,), jnp.int32)
+    outs = [attention_decode(qkv, k, v, lens, rows, scale=d**-0.5, interpret=True, append=True, window_rows=t,
+                             pack=pack, n_split=2, combine="kernel") for pack in (False, True)]
+    for a, e in zip(outs[0], outs[1]):
+        assert (np.asarray(a) == np.asarray(e)).all()
 
 
 @pytest.mark.parametrize("combine,n_split", [("kernel", 4), ("xla", 4), ("kernel", 1)])
@@ -499,15 +517,16 @@ def test_tree_nodes_as_decode_rows(b, t, hq, hkv, s, d, vis, dt, kw):
     words = ancestor_words(anc.reshape(b * t, t))
     assert bool(((words[:, 0] >> 3) & 1).astype(bool).reshape(b, t)[0, 3])  # (a node sees itself: bit t of row t)
     win = jnp.broadcast_to(words[:, None], (b * t, hq, words.shape[-1]))
-    y, ko, vo = attention_decode(qkv, k, v, lens, rows, win, scale=scale, append=True, window_rows=t, interpret=True,
-                                 **kw)
     want = attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, scale=scale)
-    assert rel(y.reshape(b, t, hq, d), want) < TOL[dt]
     kc, vc = k, v
     for r, n in enumerate(vis):
         kc = kc.at[r, :, n:n + t].set(k_win[r].swapaxes(0, 1))
         vc = vc.at[r, :, n:n + t].set(v_win[r].swapaxes(0, 1))
-    assert np.array_equal(np.asarray(ko), np.asarray(kc)) and np.array_equal(np.asarray(vo), np.asarray(vc))
+    for pack in (False, True):  # one program a row; one a window (attention_window.py)
+        y, ko, vo = attention_decode(qkv, k, v, lens, rows, win, scale=scale, append=True, window_rows=t,
+                                     interpret=True, pack=pack, **kw)
+        assert rel(y.reshape(b, t, hq, d), want) < TOL[dt], pack
+        assert np.array_equal(np.asarray(ko), np.asarray(kc)) and np.array_equal(np.asarray(vo), np.asarray(vc))
     # the registered op (bits made from the bool ancestors) and its XLA twin for the shapes the kernel cannot take
     op = ops.get("attention_decode", "pallas")(qkv, k, v, lens, rows, scale=scale, append=True, window_rows=t,
                                               window_anc=anc.reshape(b * t, t))
