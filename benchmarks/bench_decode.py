@@ -278,6 +278,7 @@ def main(argv=None):
     if args.small:
         args.models, args.batches, args.ctx, args.tokens, args.reps = "tiny", "1,4", 64, 16, 2
     out_dir = os.environ.get("OUT") or tempfile.mkdtemp(prefix="bench_decode_")  # never the repo (cwd)
+    os.makedirs(out_dir, exist_ok=True)
     results = {"device": str(jax.devices()[0]), "backend": backend, "jax": jax.__version__,
                "date": time.strftime("%Y-%m-%d"), "rows": []}
     bw = copy_bandwidth(256 << 20 if args.small else 4 << 30)

@@ -291,7 +291,7 @@ def bench_synthetic(args):
     dec = timed(loop_of(decode_fn(cfg), cfg), w, fresh(cfg), label="decode")
     res["decode_ms"] = round(dec, 3)
     log(f"target decode step: {dec:.2f} ms")
-    for k in [int(x) for x in args.syn_ks.split(",")]:
+    for k in [int(x) for x in args.syn_ks.split(",") if x]:
         if left(args.budget) < 45:
             RESULTS["skipped"].append(f"synthetic verify K={k}")
             continue

@@ -69,11 +69,18 @@ def m_bucket(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64  # as mgpu_qmatmul.token_tile
 
 
+# LUCEBOX_MGPU_WIDE (read at import): rows past 16 with no tuned entry of their own take the 16-row entry's tiles
+# and schedule with their wider token tile ("1", the default), not `default_config`'s untuned split-K ("0")
+WIDE_FROM_16 = os.environ.get("LUCEBOX_MGPU_WIDE", "1") != "0"
+
+
 def config_for(m: int, k: int, n: int, g: int, bits: int):
     from pallas_kernels import mgpu_qmatmul as mg
 
     cfg = None
     entry = tuned_table().get(tuned_key(m_bucket(m), k, n, g, bits))
+    if entry is None and m > 16 and WIDE_FROM_16 and (e16 := tuned_table().get(tuned_key(16, k, n, g, bits))):
+        entry = {"cfg": {**e16["cfg"], "tile_t": mg.token_tile(m, g)}}
     if entry is not None:
         cfg = mg.MgpuConfig(**entry["cfg"])
         cfg = cfg if mg.check_config(k, n, g, bits, cfg) is None else None

@@ -5,6 +5,7 @@ decodes through it the same tokens as the XLA kernels. Speed and the compiled re
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -119,7 +120,24 @@ def _engine_decodes_through_mgpu_like_xla():
 
 
 GPU_CASES = [(1, 4096, 28672, 128, 4, True), (1, 4096, 6144, 32, 4, False), (16, 14336, 4096, 128, 4, True),
-             (64, 4096, 4096, 32, 4, False), (9, 4096, 6144, 128, 4, True), (1, 4096, 128256, 32, 8, True)]
+             (64, 4096, 4096, 32, 4, False), (9, 4096, 6144, 128, 4, True), (1, 4096, 128256, 32, 8, True),
+             # a tree of 32 and its root, padded to 40 rows: the 16-row entries' schedules with 48-token tiles
+             (40, 4096, 28672, 128, 4, True), (40, 14336, 4096, 128, 4, True), (40, 4096, 6144, 128, 4, True),
+             (40, 4096, 4096, 128, 4, True)]
+
+
+def test_wider_rows_take_the_16_row_entry(monkeypatch):
+    """Rows past 16 with no tuned entry of their own run the 16-row entry's tiles and schedule with their own token
+    tile (LUCEBOX_MGPU_WIDE=0: default_config's untuned split-K); a bucket with its own entry keeps it."""
+    for k, n in ((4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)):
+        c16 = kernels_mgpu.config_for(16, k, n, 128, 4)
+        assert kernels_mgpu.config_for(40, k, n, 128, 4) == dataclasses.replace(c16, tile_t=48)
+        assert kernels_mgpu.config_for(20, k, n, 128, 4) == dataclasses.replace(c16, tile_t=32)
+    head48 = kernels_mgpu.tuned_table()["m48_k4096_n128256_g32_b8"]["cfg"]
+    assert kernels_mgpu.config_for(40, 4096, 128256, 32, 8).tile_t == head48["tile_t"] == 32  # its own entry
+    monkeypatch.setattr(kernels_mgpu, "WIDE_FROM_16", False)
+    assert kernels_mgpu.config_for(40, 4096, 28672, 128, 4) == kernels_mgpu.with_decode(
+        mg.default_config(40, 4096, 28672, 128, 4), 4096, 28672, 128, 4)
 
 
 @pytest.mark.gpu
