@@ -17,7 +17,8 @@ A matmul kernel may also register `prepare(w) -> w'`, run once per weight when a
 (`matmul_op`) and kernel (`prepared_by`) so `quant.linear` dispatches it back there. `usable(backend) -> reason or
 None` marks kernels that run only on some hardware: choosing one elsewhere is refused with the list of those that
 can run. `rows(m)` tells how many rows a matmul kernel runs m rows as (`padded_rows`): the model then keeps its
-activations padded so, and no pad kernel runs before each call. Defaults may be refined per GPU generation (`"gpu:sm90"` is consulted before `"gpu"` on Hopper).
+activations padded so, and no pad kernel runs before each call.
+Defaults may be refined per GPU generation (`"gpu:sm90"` is consulted before `"gpu"` on Hopper).
 """
 
 from __future__ import annotations

@@ -192,8 +192,10 @@ FEW_ROW_MAX_SEQ = 2048  # ... in caches up to this long (64 splits; longer ones 
 WIDE_HEAD_32_MAX_SEQ = 4096  # more pairs, D >= 128: 32-key tiles up to this cache length (64 beyond, and at D < 128)
 
 
-# a verify's window in one program a kv head (`pack`; LUCEBOX_ATTN_PACK=0: one program a row, the A/B in benchmarks)
-PACK_WINDOWS = os.environ.get("LUCEBOX_ATTN_PACK", "1") != "0"
+# a verify's window in one program a kv head (`pack`): by default at head dims >= 128, where it was measured (the 8B
+# verify of 9 rows, H100: 2.89 / 2.92 -> 2.81 / 2.81 ms); LUCEBOX_ATTN_PACK=1 at every head dim, =0 at none
+PACK_WINDOWS = os.environ.get("LUCEBOX_ATTN_PACK", "")
+PACK_MIN_HEAD_DIM = 128
 PACKED_MIN_PROGRAMS = 64  # splits for packed windows: (windows x kv heads x splits) >= this many programs
 
 
@@ -392,7 +394,8 @@ def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     invariant = overrides.get("row_invariant", False)
-    pack = PACK_WINDOWS and append and window_rows > 0 and not invariant
+    pack = (PACK_WINDOWS == "1" or (PACK_WINDOWS != "0" and q.shape[-1] >= PACK_MIN_HEAD_DIM)) and append \
+        and window_rows > 0 and not invariant
     cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], invariant, mapped_rows=rows is not None,
                          packed=pack)
     if pack and math.prod(packed_tiles(window_rows, q.shape[1] // k.shape[1] - 2)) >= 128:

@@ -200,3 +200,30 @@ def test_residual_stream_kept_at_the_matmul_kernels_padded_rows():
         assert jnp.allclose(got_h, want_h, atol=1e-5, rtol=1e-5), label
         for a, e in zip(got_c.k + got_c.v, want_c.k + want_c.v):
             assert jnp.allclose(a, e, atol=1e-5, rtol=1e-5), label
+
+
+def test_verify_and_tree_with_packed_windows_equal_the_per_row_kernel(monkeypatch):
+    """The decode kernel's packed windows (one program a window and kv head; by default at head dims >= 128 only,
+    forced here at the tiny model's) give the per-row kernel's logits and caches: a chain verify of 2 x 5 positions
+    and a tree of 5 nodes, interpret mode."""
+    from pallas_kernels import attention_decode as ad
+
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(6), group_size=32)
+    start = jnp.array([3, 7], jnp.int32)
+    cache = init_cache(cfg, 2, 32).replace(lengths=start)
+    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
+                                  for i, c in enumerate(cache.k)))
+    toks = jnp.arange(10).reshape(2, 5) % cfg.vocab_size
+    anc = jnp.tril(jnp.ones((5, 5), bool)).at[2, 1].set(False)  # node 2 a sibling of node 1
+    depth = jnp.broadcast_to(jnp.array([0, 1, 1, 2, 3], jnp.int32), (2, 5))
+    ks = KernelSet(attention_decode="pallas")
+    for kw in (dict(verify=True), dict(verify=True, tree=(depth, jnp.broadcast_to(anc, (2, 5, 5))))):
+        outs = []
+        for pack in ("0", "1"):
+            monkeypatch.setattr(ad, "PACK_WINDOWS", pack)
+            outs.append(forward(cfg, ks, w, cache, toks, start, **kw))
+        (want, want_c), (got, got_c) = outs
+        assert jnp.allclose(got, want, atol=1e-5, rtol=1e-5)
+        for a, e in zip(got_c.k + got_c.v, want_c.k + want_c.v):
+            assert jnp.allclose(a, e, atol=1e-5, rtol=1e-5)
