@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .attention_window import packed_tiles, window_kernel
+from .attention_window import packed_tiles, position_blocks, window_kernel
 from .int4_matmul import ordered_sum
 
 __all__ = ["attention_decode", "attention_decode_reference", "attention_decode_pallas"]
@@ -287,7 +287,8 @@ def attention_decode(
     pack = pack and window_rows > 0 and not row_invariant
     if n_split is None:
         n_split = 1
-        units = 1 if row_invariant else bsz // window_rows if pack else bsz  # programs a split, over kv heads
+        units = (1 if row_invariant else bsz // window_rows * position_blocks(window_rows, g) if pack
+                 else bsz)  # programs a split, over kv heads
         while units * hkv * n_split < min_programs and n_split * 2 <= max_split:
             n_split *= 2
     n_split = max(1, min(n_split, max_split))
@@ -327,7 +328,7 @@ def attention_decode(
     outs = pl.pallas_call(
         kern,
         out_shape=out_shape,
-        grid=(bsz // window_rows if pack else bsz, hkv, n_split),
+        grid=(bsz // window_rows * position_blocks(window_rows, g) if pack else bsz, hkv, n_split),
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,

@@ -311,19 +311,27 @@ def test_attention_decode_appends_a_verify_window_gpu(b, t, hq, hkv, s, d, start
     _check_window(b, t, hq, hkv, s, d, starts, kw, interpret=False, pack=pack)
 
 
-def test_packed_window_is_the_per_row_kernel():
-    """The packed window (one program a window and kv head) gives the per-row kernel's output bitwise (interpret
-    mode): the same prefix tiles, the same window block, in the same order; the 8B verify's heads, 9 rows."""
-    b, t, hq, hkv, s, d = 1, 9, 32, 8, 256, 128
+@pytest.mark.parametrize("b,t,hq,hkv", [(1, 9, 32, 8), (2, 20, 64, 8)])
+def test_packed_window_is_the_per_row_kernel(b, t, hq, hkv):
+    """The packed window (one program a window and kv head) gives the per-row kernel's caches bitwise and its output
+    up to the dots' rounding (interpret mode; the same prefix tiles and window block in the same order, in dots of
+    more rows): the 8B verify's heads, 9 rows, and 2 windows of 20 positions x 8 heads a kv head, 3 programs a window
+    (`position_blocks`)."""
+    from pallas_kernels.attention_window import position_blocks
+
+    s, d = 256, 128
+    assert position_blocks(t, hq // hkv) == (1 if t == 9 else 3)
     rng = np.random.default_rng(5)
     qkv = jnp.asarray(rng.standard_normal((b * t, hq + 2 * hkv, d)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
-    lens = (100 + jnp.arange(t)).astype(jnp.int32)
-    rows = jnp.zeros((t,), jnp.int32)
+    lens = (jnp.asarray([100, 31])[:b, None] + 1 + jnp.arange(t)[None, :]).reshape(-1).astype(jnp.int32)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
     outs = [attention_decode(qkv, k, v, lens, rows, scale=d**-0.5, interpret=True, append=True, window_rows=t,
                              pack=pack, n_split=2, combine="kernel") for pack in (False, True)]
-    for a, e in zip(outs[0], outs[1]):
+    (o_rows, *caches_rows), (o_pack, *caches_pack) = outs
+    for a, e in zip(caches_rows, caches_pack):
         assert (np.asarray(a) == np.asarray(e)).all()
+    np.testing.assert_allclose(np.asarray(o_pack, np.float32), np.asarray(o_rows, np.float32), atol=4e-3, rtol=1e-2)
 
 
 @pytest.mark.parametrize("combine,n_split", [("kernel", 4), ("xla", 4), ("kernel", 1)])
