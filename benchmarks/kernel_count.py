@@ -320,6 +320,20 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
     rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b, static=True)  # as LLM.generate runs it
     seen = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.bool_)
     tokens = jax.ShapeDtypeStruct((b,), jnp.int32)
+    if args.tree_syn:  # a tree verify of --tree-syn nodes (and the root), chains of depth 4 as bench_spec times it
+        from lucebox_jax.tree import tree_verify
+
+        n, depth = args.tree_syn, 4
+        width = -(-n // depth)
+        parent = jnp.asarray([[0 if i < width else i - width + 1 for i in range(n)]] * b, jnp.int32)
+        depths = jnp.asarray([[1 + i // width for i in range(n)]] * b, jnp.int32)
+        def fn(w_, c_, tok, nodes, st, sn):  # -> (accepted, path, next token, cache): the cache donated, as run
+            out = tree_verify(cfg, ks, w_, c_, tok, nodes, parent, depths, st, sn, width, depth)
+            return (*out[:3], out[5])
+
+        fn = jax.jit(fn, donate_argnums=1)
+        nodes = jax.ShapeDtypeStruct((b, n), jnp.int32)
+        return compile_for(dev, fn, (), (w, cache, tokens, nodes, rp, seen))
     if args.verify_syn:  # a speculative chain verify of K = --verify-syn drafts (K + 1 rows a sequence)
         from lucebox_jax import speculative
 
@@ -369,6 +383,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-syn", type=int, default=1, help="rows of the synthetic decode step")
     p.add_argument("--verify-syn", type=int, default=0, help="with --synthetic: count a chain verify of this many "
                    "drafts instead of a decode step")
+    p.add_argument("--tree-syn", type=int, default=0, help="with --synthetic: count a tree verify of this many nodes")
     p.add_argument("--context", type=int, default=1024, help="cache length of the synthetic decode step")
     p.add_argument("--group", type=int, default=128, help="int4 group size of the synthetic weights (as bench_decode)")
     p.add_argument("--branch", choices=("smallest", "largest"), default="smallest",
@@ -391,7 +406,8 @@ def main(argv=None) -> int:
     dev = aot_device()
     if args.synthetic:
         cpu_llm = gpu_engine = None
-        args.configs = (f"verify{args.verify_syn}" if args.verify_syn else "decode") + \
+        args.configs = (f"tree{args.tree_syn}" if args.tree_syn else f"verify{args.verify_syn}" if args.verify_syn
+                        else "decode") + \
             f":{args.synthetic}:batch{args.batch_syn}"
     ops._load_builtins()
     chosen = {op: ops._DEFAULTS["gpu"][op] for op in ops.OPS}

@@ -227,3 +227,33 @@ def test_verify_and_tree_with_packed_windows_equal_the_per_row_kernel(monkeypatc
         assert jnp.allclose(got, want, atol=1e-5, rtol=1e-5)
         for a, e in zip(got_c.k + got_c.v, want_c.k + want_c.v):
             assert jnp.allclose(a, e, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_of_33_rows_as_packed_decode_rows_equals_the_tiled_tree(monkeypatch):
+    """A tree of 32 nodes and its root (33 rows, two mask words, several programs a window) run as packed decode rows
+    (`LUCEBOX_TREE_ROWS` past 32, the A/B this needs on a GPU) gives the tiled tree kernel's logits and caches."""
+    from lucebox_jax import model
+    from lucebox_jax.tree import ancestors
+    from pallas_kernels import attention_decode as ad
+
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(7), group_size=32)
+    n, width, depth = 32, 8, 4
+    parent = jnp.asarray([[0 if i < width else i - width + 1 for i in range(n)]], jnp.int32)  # 8 chains of 4
+    dep = jnp.concatenate([jnp.zeros((1, 1), jnp.int32), jnp.asarray([[1 + i // width for i in range(n)]])], axis=1)
+    anc = ancestors(parent, depth)
+    start = jnp.array([9], jnp.int32)
+    cache = init_cache(cfg, 1, 64).replace(lengths=start)
+    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
+                                  for i, c in enumerate(cache.k)))
+    toks = (jnp.arange(n + 1)[None] * 5 + 1) % cfg.vocab_size
+    ks = KernelSet(attention_decode="pallas", attention_tree="pallas")
+    monkeypatch.setattr(ad, "PACK_WINDOWS", "1")
+    outs = []
+    for rows in (0, 64):
+        monkeypatch.setattr(model, "TREE_AS_ROWS", rows)
+        outs.append(forward(cfg, ks, w, cache, toks, start, tree=(dep, anc)))
+    (want, want_c), (got, got_c) = outs
+    assert jnp.allclose(got, want, atol=1e-4, rtol=1e-4)
+    for a, e in zip(got_c.k + got_c.v, want_c.k + want_c.v):
+        assert jnp.allclose(a, e, atol=1e-5, rtol=1e-5)
