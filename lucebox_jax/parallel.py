@@ -258,7 +258,16 @@ def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):
     kv_spec = P(None, AXIS, None, None) if heads_split else P()
 
     @functools.wraps(fn)  # (its signature is fn's, so the model hands it what fn takes: handle each here)
-    def run(q, k, v, pos, rows=None, *, scale, window=None, append=False, window_rows=0, window_anc=None):
+    def run(q, k, v, pos, rows=None, *, scale, window=None, append=False, window_rows=0, window_anc=None,
+            out_rows=0):
+        out = sharded(q, k, v, pos, rows, scale=scale, window=window, append=append, window_rows=window_rows,
+                      window_anc=window_anc)
+        if out_rows <= q.shape[0]:
+            return out
+        pad = lambda o: jnp.pad(o, ((0, out_rows - o.shape[0]), (0, 0), (0, 0)))  # noqa: E731 (a pad kernel here)
+        return (pad(out[0]), *out[1:]) if append else pad(out)
+
+    def sharded(q, k, v, pos, rows=None, *, scale, window=None, append=False, window_rows=0, window_anc=None):
         extra = {} if window is None else {"window": window}
         if window_rows:  # a verify's windows of decode rows (rows, pos and window_anc: replicated)
             extra["window_rows"] = window_rows

@@ -248,6 +248,31 @@ def test_pallas_decode_verify_and_tree_rows_run_per_shard(tiny_weights):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
 
 
+def test_padded_rows_reach_the_per_shard_attention(tiny_weights):
+    """A qmatmul kernel that runs its rows padded (`rows=`, as mgpu past 8 rows) makes the model hand the decode
+    attention `out_rows`: at tensor_parallel=2 the per-shard wrapper takes it too (it pads after the shard_map), and a
+    verify of 2 x 6 positions (12 -> 16 rows) gives the one-device logits and cache."""
+    from lucebox_jax import ops
+    from lucebox_jax.kernels_xla import qmatmul_xla
+    from lucebox_jax.model import forward
+
+    ops.register("qmatmul", "padded_tp_test_kernel", rows=lambda m: -(-m // 8) * 8)(qmatmul_xla)
+    fwd = jax.jit(forward, static_argnums=(0, 1), static_argnames=("verify",))
+    prompt = jnp.asarray([[5, 6, 7, 8, 9, 10], [40, 41, 42, 43, 44, 45]], jnp.int32)
+    toks = jnp.asarray([[11, 12, 13, 14, 15, 16], [46, 47, 48, 49, 50, 51]], jnp.int32)
+    start = jnp.asarray([6, 4], jnp.int32)
+    out = []
+    for eng in (Engine(TINY, tiny_weights, KernelSet.resolve()),
+                Engine(TINY, tiny_weights, KernelSet.resolve("attention_decode=pallas,qmatmul=padded_tp_test_kernel"),
+                       tensor_parallel=2)):
+        _, cache = fwd(TINY, eng.kernels, eng.weights, eng.new_cache(2, 64), prompt, jnp.zeros((2,), jnp.int32))
+        chain, cc = fwd(TINY, eng.kernels, eng.weights, cache, toks, start, verify=True)
+        out.append([np.asarray(x) for x in (chain, cc.k[1], cc.v[0])])
+    assert ops.accepts("attention_decode", eng.kernels.attention_decode, "out_rows")
+    for got, want in zip(out[1], out[0]):
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+
+
 def test_pallas_kv_move_runs_per_shard(tiny_weights):
     """`kv_move=pallas` at tensor_parallel=2 (as `pallas@tp2`: each device moves its own KV heads) moves a tree's
     path as the one-device XLA move does, bit for bit, on a cache split by heads."""
