@@ -279,7 +279,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         x = (x.astype(jnp.float32) * cfg.embed_scale).astype(dt)
     # where the matmul kernel would pad B * T rows to more (mgpu: 9 -> 16), the residual stream is kept at that many
     # rows, zero past B * T: the norms then write the matmuls' inputs padded, and no pad kernel runs before them
-    n_rows = ops.padded_rows("qmatmul", kernels.qmatmul, b * t) if PAD_ROWS else b * t
+    lw0 = w.layers[0]
+    n_rows = quant.matmul_rows((lw0.wqkv, lw0.wo, lw0.w_gate_up, lw0.w_down), b * t, kernels) if PAD_ROWS else b * t
     pad = (lambda v: to_rows(v, n_rows)) if n_rows > b * t else (lambda v: v)
     unpad = (lambda v: from_rows(v, b, t)) if n_rows > b * t else (lambda v: v)
     x = pad(x)

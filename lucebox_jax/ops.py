@@ -188,10 +188,16 @@ def get(op: str, name: str | None = None) -> Callable:
         ) from None
 
 
-def padded_rows(op: str, name: str, m: int) -> int:
+def padded_rows(op: str, name: str, m: int, w=None) -> int:
     """How many rows implementation `name` of `op` runs an [m, K] input as: more than m where the kernel pads its
-    input itself (a kernel of its own). A caller that keeps its activations at that many rows saves those pads."""
+    input itself (a kernel of its own). A caller that keeps its activations at that many rows saves those pads.
+    With the weight `w`: a weight prepared by a kernel answers for that kernel, and a kernel that prepares its weights
+    (`mgpu`, `best`) pads none it left unprepared (those run its fallback)."""
     _load_builtins()
+    if w is not None and hasattr(w, "prepared_by"):
+        op, name = w.matmul_op, w.prepared_by
+    elif w is not None and (op, name) in _PREPARE:
+        return m
     fn = _ROWS.get((op, name))
     return max(m, fn(m)) if fn is not None else m
 

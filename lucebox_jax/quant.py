@@ -230,6 +230,21 @@ if ROW_INVARIANT and "xla_allow_excess_precision" not in os.environ.get("XLA_FLA
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_allow_excess_precision=false").strip()
 
 
+def matmul_rows(ws, m: int, kernels) -> int:
+    """The rows `linear` runs m rows as on any of the weights `ws` (ops.padded_rows; a tensor-parallel weight by its
+    shards' kernel): m, or more where a matmul kernel pads its input itself."""
+    from . import ops
+
+    out = m
+    for w in ws:
+        w = getattr(w, "w", w) if hasattr(w, "apply_linear") else w  # (parallel.ShardedLinear: the shards' weight)
+        op = getattr(w, "matmul_op", None) or ("qmatmul" if isinstance(w, QuantArray)
+                                               else "qmatmul8" if isinstance(w, Int8Array) else None)
+        if op is not None and kernels is not None:
+            out = max(out, ops.padded_rows(op, getattr(kernels, op), m, w))
+    return out
+
+
 def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     """The one matmul dispatch point: x [..., K] @ w [K, N] -> [..., N] in x's dtype.
 

@@ -167,6 +167,16 @@ def test_residual_stream_kept_at_the_matmul_kernels_padded_rows():
     ops.register("qmatmul", "padded_test_kernel", rows=lambda m: -(-m // 8) * 8)(padded)
     assert ops.padded_rows("qmatmul", "padded_test_kernel", 10) == 16
     assert ops.padded_rows("qmatmul", "unpadded_test_kernel", 10) == 10
+    # a kernel that prepares its weights (as mgpu / best) pads only those it prepared: the rest run its fallback
+    ops.register("qmatmul", "preparing_test_kernel", prepare=lambda w: w, rows=lambda m: 64)(padded)
+
+    class Prepared:
+        matmul_op, prepared_by = "qmatmul", "padded_test_kernel"
+
+    wq = random_weights(PRESETS["tiny"], jax.random.key(5), group_size=32).layers[0].wo
+    assert ops.padded_rows("qmatmul", "preparing_test_kernel", 10, wq) == 10
+    assert ops.padded_rows("qmatmul", "preparing_test_kernel", 10) == 64
+    assert ops.padded_rows("qmatmul", "preparing_test_kernel", 10, Prepared()) == 16
     assert ops.accepts("attention_decode", "pallas", "out_rows")
     cfg = PRESETS["tiny"]
     w = random_weights(cfg, jax.random.key(4), group_size=32)
