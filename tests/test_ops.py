@@ -267,3 +267,23 @@ def test_tree_of_33_rows_as_packed_decode_rows_equals_the_tiled_tree(monkeypatch
     assert jnp.allclose(got, want, atol=1e-4, rtol=1e-4)
     for a, e in zip(got_c.k + got_c.v, want_c.k + want_c.v):
         assert jnp.allclose(a, e, atol=1e-5, rtol=1e-5)
+
+
+def test_norms_deferred_over_several_rows_give_the_same_logits(monkeypatch):
+    """LUCEBOX_DEFER_NORM_ROWS past 1 (an A/B knob): a verify's norms scaled after their matmuls give the logits of
+    normalizing first, padded rows included (zero rows scale to zero, not NaN)."""
+    from lucebox_jax import model
+
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(8), group_size=32)
+    start = jnp.array([3, 7], jnp.int32)
+    cache = init_cache(cfg, 2, 32).replace(lengths=start)
+    toks = jnp.arange(10).reshape(2, 5) % cfg.vocab_size
+    ops.register("qmatmul", "padded_defer_test_kernel", rows=lambda m: -(-m // 8) * 8)(qmatmul_xla)
+    outs = []
+    for rows in (1, 16):
+        monkeypatch.setattr(model, "DEFER_NORM_ROWS", rows)
+        logits, _ = forward(cfg, KernelSet(qmatmul="padded_defer_test_kernel"), w, cache, toks, start, verify=True)
+        outs.append(logits)
+    assert bool(jnp.isfinite(outs[1]).all())
+    assert jnp.allclose(outs[1], outs[0], atol=1e-4, rtol=1e-4)
