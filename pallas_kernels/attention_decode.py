@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .attention_window import packed_tiles, position_blocks, window_kernel
+from .attention_window import bits_visible, merge_visible, packed_tiles, position_blocks, window_kernel
 from .int4_matmul import ordered_sum
 
 __all__ = ["attention_decode", "attention_decode_reference", "attention_decode_pallas"]
@@ -140,20 +140,9 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         kw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + h, :], mask=jmask[:, None], other=0).astype(k_ref.dtype)
         vw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + hkv + h, :], mask=jmask[:, None], other=0)
         s = jnp.dot(q, kw.T, preferred_element_type=jnp.float32)  # [bh, tw]
-        if nw:  # a tree: key j where the row's bit j is set
-            word = words[0] if nw == 1 else jnp.where(j[None, :] < 32, words[0], words[1])  # [bh, tw]
-            vis = (((word >> (j[None, :] & 31)) & 1) == 1) & jmask[None, :]
-        else:  # a chain: keys 0..t
-            vis = (j <= t)[None, :] & jmask[None, :]
-        vis = vis & (sp == n_split - 1)
-        s = jnp.where(vis, s, _NEG)
-        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.where(vis, jnp.exp2(s - m_new[:, None]), 0.0)  # (a row that saw nothing yet has m = -1e30)
-        l_i = l_i * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), vw.astype(v_ref.dtype),
-                                             preferred_element_type=jnp.float32)
-        m_i = m_new
+        # a tree: key j where the row's bit j is set; a chain: keys 0..t
+        vis = bits_visible(words, j, jmask) if nw else (j <= t)[None, :] & jmask[None, :]
+        acc, m_i, l_i = merge_visible(acc, m_i, l_i, s, vis & (sp == n_split - 1), vw.astype(v_ref.dtype))
     if append:
         @pl.when(sp == (n_split - 1 if win_rows else slot // chunk))
         def _():

@@ -44,6 +44,23 @@ def position_blocks(t: int, g: int) -> int:
     return -(-t // packed_tiles(t, g)[0])
 
 
+def bits_visible(words: list, j, jmask):
+    """Window key j visible to a row where bit j of its mask words (each [rows, 1], 32 keys a word) is set."""
+    word = words[0] if len(words) == 1 else jnp.where(j[None, :] < 32, words[0], words[1])  # [rows, keys]
+    return (((word >> (j[None, :] & 31)) & 1) == 1) & jmask[None, :]
+
+
+def merge_visible(acc, m_i, l_i, s, vis, v):
+    """One online-softmax update of (acc, m, l) by a block of keys: scores s [rows, keys] in log2 units, seen where
+    vis, values v [keys, D]. A row that saw nothing yet keeps m = -1e30, so its invisible keys are zeroed."""
+    s = jnp.where(vis, s, _NEG)
+    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.where(vis, jnp.exp2(s - m_new[:, None]), 0.0)
+    l_i = l_i * alpha + jnp.sum(p, axis=1)
+    return acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32), m_new, l_i
+
+
 def window_kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *refs, g, win_rows, bk, chunk, seq, qk_scale, n_split,
                   partials, nw):
     win_ref, refs = (refs[0], refs[1:]) if nw else (None, refs)
@@ -92,20 +109,11 @@ def window_kernel(len_ref, row_ref, q_ref, k_ref, v_ref, *refs, g, win_rows, bk,
     vw = plgpu.load(q_ref.at[pl.ds(w0, tw), hq + hkv + h, :], mask=jmask[:, None], other=0).astype(v_ref.dtype)
     s = jnp.dot(q, kw.T, preferred_element_type=jnp.float32)  # [bh, tw]
     if nw:  # a tree: key j where the row's bit j is set
-        words = [plgpu.load(win_ref.at[pl.ds(r0, tq), h, pl.ds(0, bg), pl.ds(x, 1)], mask=qmask, other=0)
-                 .reshape(bh, 1) for x in range(nw)]
-        word = words[0] if nw == 1 else jnp.where(j[None, :] < 32, words[0], words[1])  # [bh, tw]
-        vis = (((word >> (j[None, :] & 31)) & 1) == 1) & jmask[None, :]
+        vis = bits_visible([plgpu.load(win_ref.at[pl.ds(r0, tq), h, pl.ds(0, bg), pl.ds(x, 1)], mask=qmask, other=0)
+                            .reshape(bh, 1) for x in range(nw)], j, jmask)
     else:  # a chain: position t sees keys 0..t
         vis = (j[None, :] <= p0 + (jnp.arange(bh) // bg)[:, None]) & jmask[None, :]
-    vis = vis & (sp == n_split - 1)
-    s = jnp.where(vis, s, _NEG)
-    m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.where(vis, jnp.exp2(s - m_new[:, None]), 0.0)  # (a row that saw nothing yet has m = -1e30)
-    l_i = l_i * alpha + jnp.sum(p, axis=1)
-    acc = acc * alpha[:, None] + jnp.dot(p.astype(v_ref.dtype), vw, preferred_element_type=jnp.float32)
-    m_i = m_new
+    acc, m_i, l_i = merge_visible(acc, m_i, l_i, s, vis & (sp == n_split - 1), vw)
 
     @pl.when((sp == n_split - 1) & (p0 == 0))  # (one program a window and kv head writes it)
     def _():
