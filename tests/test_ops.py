@@ -152,6 +152,16 @@ def test_verify_whose_decode_kernel_appends_the_window_gives_the_written_then_at
         assert not (want_c.k[0][:, :, start[0]:start[0] + 5] == cache.k[0][:, :, start[0]:start[0] + 5]).all()
 
 
+def _tiny_verify_case(seed: int, lengths=(3, 7), max_len: int = 32):
+    """The tiny model's random weights and a cache of len(lengths) rows at those lengths, random keys in it."""
+    cfg = PRESETS["tiny"]
+    start = jnp.array(lengths, jnp.int32)
+    cache = init_cache(cfg, len(lengths), max_len).replace(lengths=start)
+    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
+                                  for i, c in enumerate(cache.k)))
+    return cfg, random_weights(cfg, jax.random.key(seed), group_size=32), start, cache
+
+
 def test_residual_stream_kept_at_the_matmul_kernels_padded_rows():
     """A qmatmul kernel that registers `rows` (mgpu: 9 rows run as 16) gets its inputs already padded: forward keeps
     the residual stream at that many rows, zero past B * T, and the Pallas decode kernel hands a verify's attention
@@ -178,12 +188,7 @@ def test_residual_stream_kept_at_the_matmul_kernels_padded_rows():
     assert ops.padded_rows("qmatmul", "preparing_test_kernel", 10) == 64
     assert ops.padded_rows("qmatmul", "preparing_test_kernel", 10, Prepared()) == 16
     assert ops.accepts("attention_decode", "pallas", "out_rows")
-    cfg = PRESETS["tiny"]
-    w = random_weights(cfg, jax.random.key(4), group_size=32)
-    start = jnp.array([3, 7], jnp.int32)
-    cache = init_cache(cfg, 2, 32).replace(lengths=start)
-    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
-                                  for i, c in enumerate(cache.k)))
+    cfg, w, start, cache = _tiny_verify_case(4)
     t = 5
     depth = jnp.broadcast_to(jnp.array([0, 1, 1, 2, 2], jnp.int32), (2, t))  # root, two children, a grandchild each
     parent = jnp.array([-1, 0, 0, 1, 2])
@@ -218,12 +223,7 @@ def test_verify_and_tree_with_packed_windows_equal_the_per_row_kernel(monkeypatc
     and a tree of 5 nodes, interpret mode."""
     from pallas_kernels import attention_decode as ad
 
-    cfg = PRESETS["tiny"]
-    w = random_weights(cfg, jax.random.key(6), group_size=32)
-    start = jnp.array([3, 7], jnp.int32)
-    cache = init_cache(cfg, 2, 32).replace(lengths=start)
-    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
-                                  for i, c in enumerate(cache.k)))
+    cfg, w, start, cache = _tiny_verify_case(6)
     toks = jnp.arange(10).reshape(2, 5) % cfg.vocab_size
     anc = jnp.tril(jnp.ones((5, 5), bool)).at[2, 1].set(False)  # node 2 a sibling of node 1
     depth = jnp.broadcast_to(jnp.array([0, 1, 1, 2, 3], jnp.int32), (2, 5))
@@ -246,16 +246,11 @@ def test_tree_of_33_rows_as_packed_decode_rows_equals_the_tiled_tree(monkeypatch
     from lucebox_jax.tree import ancestors
     from pallas_kernels import attention_decode as ad
 
-    cfg = PRESETS["tiny"]
-    w = random_weights(cfg, jax.random.key(7), group_size=32)
+    cfg, w, start, cache = _tiny_verify_case(7, lengths=(9,), max_len=64)
     n, width, depth = 32, 8, 4
     parent = jnp.asarray([[0 if i < width else i - width + 1 for i in range(n)]], jnp.int32)  # 8 chains of 4
     dep = jnp.concatenate([jnp.zeros((1, 1), jnp.int32), jnp.asarray([[1 + i // width for i in range(n)]])], axis=1)
     anc = ancestors(parent, depth)
-    start = jnp.array([9], jnp.int32)
-    cache = init_cache(cfg, 1, 64).replace(lengths=start)
-    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
-                                  for i, c in enumerate(cache.k)))
     toks = (jnp.arange(n + 1)[None] * 5 + 1) % cfg.vocab_size
     ks = KernelSet(attention_decode="pallas", attention_tree="pallas")
     monkeypatch.setattr(ad, "PACK_WINDOWS", "1")
@@ -274,10 +269,7 @@ def test_norms_deferred_over_several_rows_give_the_same_logits(monkeypatch):
     normalizing first, padded rows included (zero rows scale to zero, not NaN)."""
     from lucebox_jax import model
 
-    cfg = PRESETS["tiny"]
-    w = random_weights(cfg, jax.random.key(8), group_size=32)
-    start = jnp.array([3, 7], jnp.int32)
-    cache = init_cache(cfg, 2, 32).replace(lengths=start)
+    cfg, w, start, cache = _tiny_verify_case(8)
     toks = jnp.arange(10).reshape(2, 5) % cfg.vocab_size
     ops.register("qmatmul", "padded_defer_test_kernel", rows=lambda m: -(-m // 8) * 8)(qmatmul_xla)
     outs = []
