@@ -768,7 +768,8 @@ def test_gpu_attention_tree(t, hq, hkv, d, in_cache):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("t,hq,hkv,d", [(16, 9, 3, 64), (32, 9, 3, 64), (16, 32, 8, 128), (9, 32, 8, 128)])
+@pytest.mark.parametrize("t,hq,hkv,d", [(16, 9, 3, 64), (32, 9, 3, 64), (16, 32, 8, 128), (9, 32, 8, 128),
+                                        (32, 32, 8, 128), (33, 32, 8, 128)])  # (packed in 2 and 3 programs a window)
 def test_gpu_tree_nodes_as_decode_rows(t, hq, hkv, d):
     """A short tree's nodes as decode rows compiled: ancestors as bits, each row writing its own key and value."""
     b, s = 2, 1024
