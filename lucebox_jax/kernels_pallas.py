@@ -68,9 +68,6 @@ else:
             return kernels_xla.qmatmul8_xla(x, w)
         return qmatmul8_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
 
-    def _pad_rows(o, out_rows: int):  # [B, H, D] -> [max(B, out_rows), H, D], zero past B
-        return jnp.pad(o, ((0, max(out_rows - o.shape[0], 0)), (0, 0), (0, 0)))
-
     def _windowed(k, window) -> bool:
         return window is not None and window < k.shape[2]
 
@@ -80,14 +77,14 @@ else:
         if not _pow2(q.shape[-1]) or _windowed(k, window):
             if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
                 o, k, v = kernels_xla.tree_rows_xla(q, k, v, lengths, window_anc, window_rows, scale=scale)
-                return _pad_rows(o, out_rows), k, v
+                return kernels_xla.pad_rows(o, out_rows), k, v
             if append:  # write first, as the model does for a kernel without `append`
                 hkv, t = k.shape[1], max(window_rows, 1)  # (window_rows: B windows of t rows, rows b * t + j)
                 q, k_new, v_new = q[:, :-2 * hkv], q[:, -2 * hkv:-hkv], q[:, -hkv:]
                 k, v = (kernels_xla.write_kv(c, n.reshape(-1, t, *n.shape[1:]), lengths[::t] - 1)
                         for c, n in ((k, k_new), (v, v_new)))
             o = kernels_xla.attention_decode_xla(q, k, v, lengths, rows, scale=scale, window=window)
-            o = _pad_rows(o, out_rows)
+            o = kernels_xla.pad_rows(o, out_rows)
             return (o, k, v) if append else o
         win_mask = None
         if window_anc is not None:  # [B * T, T] -> the kernel's bits, the same for every query head of a row

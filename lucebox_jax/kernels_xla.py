@@ -75,6 +75,12 @@ def _attention(q, k, v, start, *, scale, window):
     return o.reshape(b, t, hq, d).astype(q.dtype)
 
 
+def pad_rows(o, out_rows: int):
+    """[B, ...] -> [max(B, out_rows), ...], zero past B: an attention output handed over at a matmul's padded rows
+    (`attention_decode`'s `out_rows`, where a kernel cannot write them itself)."""
+    return jnp.pad(o, ((0, max(out_rows - o.shape[0], 0)),) + ((0, 0),) * (o.ndim - 1))
+
+
 def write_kv(cache_l, new, start):
     """cache_l [B, Hkv, S, hd] <- new [B, T, Hkv, hd] at positions start[b] .. start[b] + T - 1 of each row.
 

@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 from . import ops
 from .config import ModelConfig
 from .errors import ParallelismError
+from .kernels_xla import pad_rows
 from .model import KVCache, Weights, init_cache
 from .ops import KernelSet
 from .quant import Int8Array, QuantArray, unpack_int4
@@ -264,8 +265,7 @@ def _per_shard_attention(fn, mesh: Mesh, heads_split: bool, decode: bool):
                       window_anc=window_anc)
         if out_rows <= q.shape[0]:
             return out
-        pad = lambda o: jnp.pad(o, ((0, out_rows - o.shape[0]), (0, 0), (0, 0)))  # noqa: E731 (a pad kernel here)
-        return (pad(out[0]), *out[1:]) if append else pad(out)
+        return (pad_rows(out[0], out_rows), *out[1:]) if append else pad_rows(out, out_rows)  # (a pad kernel here)
 
     def sharded(q, k, v, pos, rows=None, *, scale, window=None, append=False, window_rows=0, window_anc=None):
         extra = {} if window is None else {"window": window}
