@@ -17,9 +17,9 @@
 # DECODE_MODELS (default llama3-8b) widen the step's run; ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
 # verify of 9 rows and of a 32-node tree with attention_tree=xla, then =pallas (bench_spec.py part B).
 # VERIFY_AB=1: the same 8B verifies (9 rows, a tree of 32) once per ';'-separated set of environment assignments in
-# VERIFY_ENVS (default: the engine's defaults, LUCEBOX_MGPU_WIDE=1, LUCEBOX_TREE_ROWS=64, both, and
-# LUCEBOX_DEFER_NORM_ROWS=16; one process each, compiles shared through a persistent cache; ~7 minutes), e.g.
-# VERIFY_ENVS='LUCEBOX_ATTN_PACK=0;' for the packed window's A/B.
+# VERIFY_ENVS (default: the engine's defaults, then the twenty-seventh session's way, LUCEBOX_MGPU_WIDE=0
+# LUCEBOX_TREE_ROWS=32, then the defaults again; one process each, compiles shared through a persistent cache; ~6
+# minutes), e.g. VERIFY_ENVS='LUCEBOX_ATTN_PACK=0;' for the packed window's A/B.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -131,9 +131,8 @@ if [ "${TREE_AB:-0}" = 1 ]; then  # 8B verify costs (a chain of 9 rows, a tree o
     echo "attention_tree=$tk:"; grep -E "decode step|^\| (8|tree)" "$OUT/spec_syn_$tk.log"
   done
 fi
-if [ "${VERIFY_AB:-0}" = 1 ]; then  # the 8B verify's knobs, one process a set (twenty-seventh session's opt-ins)
-  W=LUCEBOX_MGPU_WIDE=1 R=LUCEBOX_TREE_ROWS=64
-  IFS=';' read -ra ENV_SETS <<< "${VERIFY_ENVS-;$W;$R;$W $R;LUCEBOX_DEFER_NORM_ROWS=16}"
+if [ "${VERIFY_AB:-0}" = 1 ]; then  # the 8B verify's knobs, one process a set
+  IFS=';' read -ra ENV_SETS <<< "${VERIFY_ENVS-;LUCEBOX_MGPU_WIDE=0 LUCEBOX_TREE_ROWS=32; }"  # (" ": the defaults again)
   i=0
   for e in "${ENV_SETS[@]}"; do
     i=$((i + 1))

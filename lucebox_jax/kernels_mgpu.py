@@ -69,10 +69,10 @@ def m_bucket(m: int) -> int:
     return 16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64  # as mgpu_qmatmul.token_tile
 
 
-# LUCEBOX_MGPU_WIDE=1 (read at import): rows past 16 with no tuned entry of their own take the 16-row entry's tiles
-# and schedule with their wider token tile, not `default_config`'s untuned split-K. Opt-in: it compiles for the H200
-# (an 8B verify of 33 rows, `kernel_count.py`), but neither its speed nor its GPU tests have run yet.
-WIDE_FROM_16 = os.environ.get("LUCEBOX_MGPU_WIDE", "0") == "1"
+# Rows past 16 with no tuned entry of their own take the 16-row entry's tiles and schedule with their wider token
+# tile, not `default_config`'s untuned split-K: on an H100 an 8B tree of 32 + root went 4.22 -> 3.73 ms, gate+up at 40
+# rows 38.3 -> 34.3 us, down 24.2 -> 20.2 us (benchmarks/RESULTS.md). LUCEBOX_MGPU_WIDE=0 (read at import): the old way.
+WIDE_FROM_16 = os.environ.get("LUCEBOX_MGPU_WIDE", "1") != "0"
 
 
 def config_for(m: int, k: int, n: int, g: int, bits: int):

@@ -110,9 +110,17 @@ DEFER_NORM_ROWS = int(os.environ.get("LUCEBOX_DEFER_NORM_ROWS", "1") or "1")
 APPEND_KV = True
 # ... and a short verify's window (LUCEBOX_VERIFY_APPEND=0 writes it first: A/B in benchmarks)
 APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
-# ... and a tree verify of at most TREE_AS_ROWS rows (nodes and root), as decode rows with its ancestors as bits
-# (LUCEBOX_TREE_ROWS=N sets it; 0: the tree attention kernel over the window written first)
-TREE_AS_ROWS = int(os.environ.get("LUCEBOX_TREE_ROWS", "32") or "32")
+# ... and a tree verify of at most `tree_rows_limit` rows (nodes and root), as decode rows with its ancestors as bits:
+# 64 at head dims >= 128, where the window runs packed (an 8B tree of 32 + root on an H100: 3.73 -> 3.60-3.65 ms), 32
+# below (longer trees there are untimed as rows); LUCEBOX_TREE_ROWS=N sets it for all (0: the tree attention kernel)
+TREE_AS_ROWS = int(os.environ["LUCEBOX_TREE_ROWS"]) if os.environ.get("LUCEBOX_TREE_ROWS") else None
+
+
+def tree_rows_limit(head_dim: int) -> int:
+    if TREE_AS_ROWS is not None:
+        return TREE_AS_ROWS
+    return 64 if head_dim >= 128 else 32
+
 # the residual stream kept at the matmul kernel's padded rows (ops.padded_rows; LUCEBOX_PAD_ROWS=0: the kernel pads
 # each input itself, the A/B in benchmarks)
 PAD_ROWS = os.environ.get("LUCEBOX_PAD_ROWS", "1") != "0"
@@ -313,7 +321,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     # ... and hands its output over padded to the residual stream's rows, where it can (no pad kernel before o)
     out_rows = ({"out_rows": n_rows} if n_rows > b * t and ops.accepts("attention_decode", kernels.attention_decode,
                                                                       "out_rows") else {})
-    if (tree is not None and not tree_as_decode and t <= TREE_AS_ROWS
+    if (tree is not None and not tree_as_decode and t <= tree_rows_limit(hd)
             and ops.accepts("attention_decode", kernels.attention_decode, "window_anc")):
         tree_rows_anc = tree[1].reshape(b * t, t)
     for i, lw in enumerate(w.layers):

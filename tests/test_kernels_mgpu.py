@@ -121,15 +121,16 @@ def _engine_decodes_through_mgpu_like_xla():
 
 GPU_CASES = [(1, 4096, 28672, 128, 4, True), (1, 4096, 6144, 32, 4, False), (16, 14336, 4096, 128, 4, True),
              (64, 4096, 4096, 32, 4, False), (9, 4096, 6144, 128, 4, True), (1, 4096, 128256, 32, 8, True),
-             # a tree of 32 and its root, padded to 40 rows (LUCEBOX_MGPU_WIDE=1: the 16-row entries' schedules)
+             # a tree of 32 and its root, padded to 40 rows (the 16-row entries' schedules: WIDE_FROM_16)
              (40, 4096, 28672, 128, 4, True), (40, 14336, 4096, 128, 4, True), (40, 4096, 6144, 128, 4, True),
              (40, 4096, 4096, 128, 4, True)]
 
 
 def test_wider_rows_take_the_16_row_entry(monkeypatch):
-    """With LUCEBOX_MGPU_WIDE=1, rows past 16 with no tuned entry of their own run the 16-row entry's tiles and
-    schedule with their own token tile (else default_config's untuned split-K); a bucket with its own entry keeps
-    it."""
+    """By default (LUCEBOX_MGPU_WIDE unset), rows past 16 with no tuned entry of their own run the 16-row entry's
+    tiles and schedule with their own token tile (LUCEBOX_MGPU_WIDE=0: default_config's untuned split-K); a bucket with
+    its own entry keeps it."""
+    assert kernels_mgpu.WIDE_FROM_16 == (os.environ.get("LUCEBOX_MGPU_WIDE", "1") != "0")
     monkeypatch.setattr(kernels_mgpu, "WIDE_FROM_16", True)
     for k, n in ((4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)):
         c16 = kernels_mgpu.config_for(16, k, n, 128, 4)

@@ -317,6 +317,9 @@ def test_stream_plan_covers_every_step_once(tiles, steps, ctas):
     (5, 64, 4, True, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, stream_k=True, scale_after=True), 5),
     (3, 32, 8, True, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, stream_k=True), 5),
     (3, 32, 4, False, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=2, stream_k=True), 132),  # one tile a CTA
+    # a 33-row tree padded to 40 rows on a 16-row entry's schedule widened to 48 tokens (kernels_mgpu.WIDE_FROM_16)
+    (40, 128, 4, True, mg.MgpuConfig(tile_m=64, tile_t=48, compute_wgs=2, groups=1, steps=3, stream_k=True,
+                                     scale_after=True), 5),
 ])
 def test_stream_k_interpret_matches_reference(m, g, bits, sym, cfg, sms):
     import jax.experimental.pallas.mosaic_gpu as plgpu

@@ -241,7 +241,7 @@ def test_verify_and_tree_with_packed_windows_equal_the_per_row_kernel(monkeypatc
 
 def test_tree_of_33_rows_as_packed_decode_rows_equals_the_tiled_tree(monkeypatch):
     """A tree of 32 nodes and its root (33 rows, two mask words, several programs a window) run as packed decode rows
-    (`LUCEBOX_TREE_ROWS` past 32, the A/B this needs on a GPU) gives the tiled tree kernel's logits and caches."""
+    (`LUCEBOX_TREE_ROWS` past 32: the default at head dims >= 128) gives the tiled tree kernel's logits and caches."""
     from lucebox_jax import model
     from lucebox_jax.tree import ancestors
     from pallas_kernels import attention_decode as ad

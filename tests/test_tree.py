@@ -330,15 +330,15 @@ def test_tree_verify_through_the_pallas_tree_kernel(eng, n):
     """The tree forward with `attention_tree=pallas` (the committed cache through the flash-decoding kernel,
     interpreted here), and with `attention_decode=pallas` as well (the nodes as decode rows that write the window),
     gives the logits and cache of the XLA einsum path: batch 2, ragged prefixes, a tree of 7 tokens and one of 24
-    (past 16: decode rows up to model.TREE_AS_ROWS)."""
-    from lucebox_jax.model import TREE_AS_ROWS, forward, init_cache
+    (past 16: decode rows up to model.tree_rows_limit)."""
+    from lucebox_jax.model import forward, init_cache, tree_rows_limit
 
     if n == 7:
         parent = jnp.asarray([[0, 0, 1, 1, 2, 3], [0, 1, 2, 3, 4, 5]], jnp.int32)  # a bushy tree and a chain
     else:  # each node's parent one of the nodes before it
         rng = np.random.default_rng(n)
         parent = jnp.asarray([[rng.integers(0, i) for i in range(1, n)] for _ in range(2)], jnp.int32)
-        assert n <= TREE_AS_ROWS
+        assert n <= tree_rows_limit(CFG.head_dim)
     anc = ancestors(parent, n - 1)
     depth = jnp.sum(anc, axis=-1).astype(jnp.int32) - 1
     cache = init_cache(CFG, 2, 64)
