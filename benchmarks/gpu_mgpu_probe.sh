@@ -19,7 +19,8 @@
 # VERIFY_AB=1: the same 8B verifies (9 rows, a tree of 32) once per ';'-separated set of environment assignments in
 # VERIFY_ENVS (default: the engine's defaults, then the twenty-seventh session's way, LUCEBOX_MGPU_WIDE=0
 # LUCEBOX_TREE_ROWS=32, then the defaults again; one process each, compiles shared through a persistent cache; ~6
-# minutes), e.g. VERIFY_ENVS='LUCEBOX_ATTN_PACK=0;' for the packed window's A/B.
+# minutes), e.g. VERIFY_ENVS='LUCEBOX_ATTN_PACK=0;' for the packed window's A/B; VERIFY_ARGS go to bench_spec.py
+# (--syn-profile: where each verify's time goes, kernels by category).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -139,7 +140,7 @@ if [ "${VERIFY_AB:-0}" = 1 ]; then  # the 8B verify's knobs, one process a set
     env $e JAX_COMPILATION_CACHE_DIR=/tmp/jcc JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=1 OUT="$OUT/verify_ab$i" \
       timeout "${VERIFY_SECONDS:-120}" python3 benchmarks/bench_spec.py --no-embedded --syn-ks 8 --syn-trees 32 \
       --no-syn-drafts --budget "$(( ${VERIFY_SECONDS:-120} - 10 ))" --syn-kernels attention_tree=pallas \
-      > "$OUT/verify_ab$i.log" 2>&1
+      ${VERIFY_ARGS:-} > "$OUT/verify_ab$i.log" 2>&1
     echo "[$e]:"; grep -E "decode step:|verify K|tree verify" "$OUT/verify_ab$i.log"
   done
 fi
