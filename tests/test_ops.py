@@ -239,6 +239,17 @@ def test_verify_and_tree_with_packed_windows_equal_the_per_row_kernel(monkeypatc
             assert jnp.allclose(a, e, atol=1e-5, rtol=1e-5)
 
 
+def test_tree_rows_limit_follows_the_packed_window(monkeypatch):
+    """Trees verify as decode rows up to 64 rows at head dims >= 128 (where windows run packed: timed on an H100),
+    32 below; LUCEBOX_TREE_ROWS (TREE_AS_ROWS) sets one limit for all."""
+    from lucebox_jax import model
+
+    monkeypatch.setattr(model, "TREE_AS_ROWS", None)
+    assert (model.tree_rows_limit(128), model.tree_rows_limit(256), model.tree_rows_limit(64)) == (64, 64, 32)
+    monkeypatch.setattr(model, "TREE_AS_ROWS", 0)
+    assert model.tree_rows_limit(128) == model.tree_rows_limit(64) == 0
+
+
 def test_tree_of_33_rows_as_packed_decode_rows_equals_the_tiled_tree(monkeypatch):
     """A tree of 32 nodes and its root (33 rows, two mask words, several programs a window) run as packed decode rows
     (`LUCEBOX_TREE_ROWS` past 32: the default at head dims >= 128) gives the tiled tree kernel's logits and caches."""
