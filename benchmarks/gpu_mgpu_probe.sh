@@ -133,7 +133,8 @@ if [ "${TREE_AB:-0}" = 1 ]; then  # 8B verify costs (a chain of 9 rows, a tree o
   done
 fi
 if [ "${VERIFY_AB:-0}" = 1 ]; then  # the 8B verify's knobs, one process a set
-  IFS=';' read -ra ENV_SETS <<< "${VERIFY_ENVS-;LUCEBOX_MGPU_WIDE=0 LUCEBOX_TREE_ROWS=32; }"  # (" ": the defaults again)
+  # (the last set, " ": the defaults again)
+  IFS=';' read -ra ENV_SETS <<< "${VERIFY_ENVS-;LUCEBOX_MGPU_WIDE=0 LUCEBOX_TREE_ROWS=32; }"
   i=0
   for e in "${ENV_SETS[@]}"; do
     i=$((i + 1))
