@@ -121,6 +121,7 @@ def tree_rows_limit(head_dim: int) -> int:
         return TREE_AS_ROWS
     return 64 if head_dim >= 128 else 32
 
+
 # the residual stream kept at the matmul kernel's padded rows (ops.padded_rows; LUCEBOX_PAD_ROWS=0: the kernel pads
 # each input itself, the A/B in benchmarks)
 PAD_ROWS = os.environ.get("LUCEBOX_PAD_ROWS", "1") != "0"
