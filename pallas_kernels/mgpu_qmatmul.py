@@ -2,9 +2,9 @@
 scales (and mins) applied in registers, split-K; registered as kernel `mgpu` by `lucebox_jax/kernels_mgpu.py`.
 
 Swap-AB: the weight is the wgmma M side (output features n, `tile_m` rows per compute warpgroup) and the activations
-x^T the N side (`tile_t` tokens, 16 at least: TMA fills the rows past M with zeros), so a decode step with one token
-still fills the tensor-core tile from the weight. The sums are stored transposed, token-major. The weight is
-repacked once at load time (`repack`) into a group-major layout whose pipeline step is a clean TMA box:
+x^T the N side (`tile_t` tokens, a multiple of 8, `token_tile`: TMA fills the rows past M with zeros), so a decode
+step with one token still fills the tensor-core tile from the weight. The sums are stored transposed, token-major.
+The weight is repacked once at load time (`repack`) into a group-major layout whose pipeline step is a clean TMA box:
 
   codes    int4 (or int8) [K // g, N, g]  signed: c = q - 8 for int4 (the engine's `QuantArray` stores q in 0..15)
   scales   float16/32     [K // g, N]     unchanged from `QuantArray` / `Int8Array`
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -212,10 +213,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
     kg = k // g
     if kg % (cfg.groups * cfg.split_k):
         return f"{kg} groups do not split into {cfg.split_k} splits of steps of {cfg.groups} groups"
-    if cfg.tile_t % 16 or cfg.tile_t > 256:
-        return f"tile_t {cfg.tile_t} must be a multiple of 16 up to 256"
-    if g < min(cfg.tile_t, 64):  # wgmma steps K by the x^T tile's swizzle width (tile_t bf16, at most 128 bytes)
-        return f"group {g} is narrower than the {min(cfg.tile_t, 64)}-row K step of a {cfg.tile_t}-token tile"
+    if cfg.tile_t % 8 or cfg.tile_t > 256:  # wgmma N; the x tile's rows (K-minor, 8-row TMA tiling)
+        return f"tile_t {cfg.tile_t} must be a multiple of 8 up to 256"
     if cfg.stream_k and cfg.split_k != 1:
         return "stream_k takes split_k 1 (it splits K itself)"
     if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(g, bits)):
@@ -615,10 +614,21 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
 
 def token_tile(m: int, g: int) -> int:
-    """Tokens per tile for M rows: 16 for decode (the smallest tile that compiles), wider for more rows (48 for a
-    tree of 32 nodes and its root, 33 rows: a quarter less wgmma work than 64, and a smaller x tile); at most the
-    group width, which bounds the wgmma K step (`check_config`)."""
-    return min(16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64, max(g, 16))
+    """Tokens per tile (wgmma N) for M rows: 16 for decode (8 timed no faster at one row), wider for more rows: 40 for
+    a tree of 32 nodes and its root (33 rows, padded to 40; on an H100 its 8B verify took 3.48 -> 3.38 ms against 48),
+    else 32 / 48 / 64. Any group width takes any of them: x is K-minor in shared memory, so its swizzle follows the
+    group, not the tile (the first kernel's x^T was token-minor, which capped tiles at the group width: a 40-row int8
+    head of g32 ran as two 32-token tiles, streaming the head twice)."""
+    if TOKEN_TILES == "tight" and m > 16:
+        return min(_round_up(m, 8), 64)
+    if TOKEN_TILES == "" and 32 < m <= 40:
+        return 40
+    return 16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64
+
+
+# LUCEBOX_MGPU_TIGHT (read at import; an A/B knob): 1 rounds every row count past 16 up to a multiple of 8 (24 and 56
+# untimed), 0 takes 48 for 33-40 rows as before the 40-token tile
+TOKEN_TILES = {"1": "tight", "0": "old"}.get(os.environ.get("LUCEBOX_MGPU_TIGHT", ""), "")
 
 
 def default_config(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> MgpuConfig | None:

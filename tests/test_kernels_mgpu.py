@@ -123,7 +123,9 @@ GPU_CASES = [(1, 4096, 28672, 128, 4, True), (1, 4096, 6144, 32, 4, False), (16,
              (64, 4096, 4096, 32, 4, False), (9, 4096, 6144, 128, 4, True), (1, 4096, 128256, 32, 8, True),
              # a tree of 32 and its root, padded to 40 rows (the 16-row entries' schedules: WIDE_FROM_16)
              (40, 4096, 28672, 128, 4, True), (40, 14336, 4096, 128, 4, True), (40, 4096, 6144, 128, 4, True),
-             (40, 4096, 4096, 128, 4, True)]
+             (40, 4096, 4096, 128, 4, True),
+             # groups of 32 past 32 rows: 40- and 48-token tiles (gate+up widened from its 16-row entry; the head's own)
+             (40, 4096, 28672, 32, 4, False), (40, 4096, 128256, 32, 8, True)]
 
 
 def test_wider_rows_take_the_16_row_entry(monkeypatch):
@@ -134,10 +136,11 @@ def test_wider_rows_take_the_16_row_entry(monkeypatch):
     monkeypatch.setattr(kernels_mgpu, "WIDE_FROM_16", True)
     for k, n in ((4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)):
         c16 = kernels_mgpu.config_for(16, k, n, 128, 4)
-        assert kernels_mgpu.config_for(40, k, n, 128, 4) == dataclasses.replace(c16, tile_t=48)
+        assert kernels_mgpu.config_for(40, k, n, 128, 4) == dataclasses.replace(c16, tile_t=40)
+        assert kernels_mgpu.config_for(48, k, n, 128, 4) == dataclasses.replace(c16, tile_t=48)
         assert kernels_mgpu.config_for(20, k, n, 128, 4) == dataclasses.replace(c16, tile_t=32)
     head48 = kernels_mgpu.tuned_table()["m48_k4096_n128256_g32_b8"]["cfg"]
-    assert kernels_mgpu.config_for(40, 4096, 128256, 32, 8).tile_t == head48["tile_t"] == 32  # its own entry
+    assert kernels_mgpu.config_for(40, 4096, 128256, 32, 8).tile_t == head48["tile_t"] == 48  # its own entry
     monkeypatch.setattr(kernels_mgpu, "WIDE_FROM_16", False)
     assert kernels_mgpu.config_for(40, 4096, 28672, 128, 4) == kernels_mgpu.with_decode(
         mg.default_config(40, 4096, 28672, 128, 4), 4096, 28672, 128, 4)

@@ -47,7 +47,11 @@ def test_repack_reference_equals_engine_dequant(g, sym, bits):
 
 @pytest.mark.parametrize("m,g,cfg", [(3, 32, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2)),
                                      (20, 32, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, split_k=1)),
-                                     (33, 128, mg.MgpuConfig(tile_m=64, tile_t=48, compute_wgs=1, groups=1, split_k=2))])
+                                     (33, 128, mg.MgpuConfig(tile_m=64, tile_t=48, compute_wgs=1, groups=1, split_k=2)),
+                                     (33, 32, mg.MgpuConfig(tile_m=64, tile_t=48, compute_wgs=2, groups=2, split_k=1)),
+                                     (50, 32, mg.MgpuConfig(tile_m=64, tile_t=64, compute_wgs=1, groups=4, split_k=2)),
+                                     (1, 128, mg.MgpuConfig(tile_m=64, tile_t=8, compute_wgs=2, groups=1, split_k=2)),
+                                     (33, 64, mg.MgpuConfig(tile_m=64, tile_t=40, compute_wgs=1, groups=2, split_k=1))])
 def test_kernel_interpret_matches_reference(m, g, cfg):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -64,6 +68,7 @@ def test_bad_config_is_refused():
     assert mg.check_config(4096, 6144, 32, 4, mg.MgpuConfig(tile_m=96))
     assert mg.check_config(4096, 100, 32, 4, mg.MgpuConfig())
     assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(groups=4, split_k=3))
+    assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(tile_t=12))  # wgmma N: a multiple of 8
     assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig()) is None
 
 
@@ -279,15 +284,31 @@ def test_pdl_interprets_like_the_reference():
     assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
 
 
+def test_token_tiles_by_rows(monkeypatch):
+    """16 to 16 rows, then 32, 40 (a tree of 32 and its root), 48, 64, whatever the group; LUCEBOX_MGPU_TIGHT=0 / 1
+    (TOKEN_TILES): 48 for 33-40 rows as before / every count rounded up to 8."""
+    monkeypatch.setattr(mg, "TOKEN_TILES", "")
+    rows = (1, 9, 16, 17, 32, 33, 40, 41, 48, 49, 64, 200)
+    assert [mg.token_tile(m, 32) for m in rows] == [16, 16, 16, 32, 32, 40, 40, 48, 48, 64, 64, 64]
+    assert [mg.token_tile(m, 128) for m in rows] == [mg.token_tile(m, 32) for m in rows]
+    monkeypatch.setattr(mg, "TOKEN_TILES", "old")
+    assert [mg.token_tile(m, 128) for m in (33, 40, 41)] == [48, 48, 48]
+    monkeypatch.setattr(mg, "TOKEN_TILES", "tight")
+    assert [mg.token_tile(m, 128) for m in (9, 17, 33, 50, 64, 65)] == [16, 24, 40, 56, 64, 64]
+
+
 @pytest.mark.parametrize("k,n,g,bits", [(4096, 28672, 128, 4), (14336, 4096, 128, 4), (4096, 6144, 128, 4),
-                                        (4096, 128256, 128, 8)])
-def test_default_48_token_tile_lowers_for_a_tree_of_32(k, n, g, bits):
-    """33 rows (a 32-node tree and its root) take a 48-token tile: it must fit shared memory at the 8B shapes."""
+                                        (4096, 128256, 128, 8), (4096, 128256, 32, 8), (4096, 28672, 32, 4)])
+def test_default_40_token_tile_lowers_for_a_tree_of_32(k, n, g, bits):
+    """33 rows (a 32-node tree and its root) take a 40-token tile: it must fit shared memory at the 8B shapes, groups
+    of 32 included (the int8 head; int4 with mins as Q4_1 / Q4_K import)."""
     sds = jax.ShapeDtypeStruct
     cfg = mg.default_config(33, k, n, g, bits)
-    assert cfg.tile_t == 48
+    assert cfg.tile_t == 40
+    asym = g == 32 and bits == 4
     w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
-                      scales=sds((k // g, n), jnp.float16), offsets=None, group_size=g, bits=bits)
+                      scales=sds((k // g, n), jnp.float16), offsets=sds((k // g, n), jnp.float16) if asym else None,
+                      group_size=g, bits=bits)
     with abstract_h200():
         txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
             sds((33, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
@@ -317,8 +338,8 @@ def test_stream_plan_covers_every_step_once(tiles, steps, ctas):
     (5, 64, 4, True, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, stream_k=True, scale_after=True), 5),
     (3, 32, 8, True, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, stream_k=True), 5),
     (3, 32, 4, False, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=2, stream_k=True), 132),  # one tile a CTA
-    # a 33-row tree padded to 40 rows on a 16-row entry's schedule widened to 48 tokens (kernels_mgpu.WIDE_FROM_16)
-    (40, 128, 4, True, mg.MgpuConfig(tile_m=64, tile_t=48, compute_wgs=2, groups=1, steps=3, stream_k=True,
+    # a 33-row tree padded to 40 rows on a 16-row entry's schedule widened to 40 tokens (kernels_mgpu.WIDE_FROM_16)
+    (40, 128, 4, True, mg.MgpuConfig(tile_m=64, tile_t=40, compute_wgs=2, groups=1, steps=3, stream_k=True,
                                      scale_after=True), 5),
 ])
 def test_stream_k_interpret_matches_reference(m, g, bits, sym, cfg, sms):
