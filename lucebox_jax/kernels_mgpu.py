@@ -66,7 +66,8 @@ def tuned_key(m_bucket: int, k: int, n: int, g: int, bits: int) -> str:
 
 
 def m_bucket(m: int) -> int:
-    return 16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64  # as mgpu_qmatmul.token_tile
+    # (token_tile's steps, but for its 40-token tile: 33-40 rows share the 48-row entry)
+    return 16 if m <= 16 else 32 if m <= 32 else 48 if m <= 48 else 64
 
 
 # Rows past 16 with no tuned entry of their own take the 16-row entry's tiles and schedule with their wider token

@@ -134,6 +134,7 @@ def test_wider_rows_take_the_16_row_entry(monkeypatch):
     its own entry keeps it."""
     assert kernels_mgpu.WIDE_FROM_16 == (os.environ.get("LUCEBOX_MGPU_WIDE", "1") != "0")
     monkeypatch.setattr(kernels_mgpu, "WIDE_FROM_16", True)
+    monkeypatch.setattr(mg, "TOKEN_TILES", "")  # (whatever LUCEBOX_MGPU_TIGHT says)
     for k, n in ((4096, 28672), (14336, 4096), (4096, 6144), (4096, 4096)):
         c16 = kernels_mgpu.config_for(16, k, n, 128, 4)
         assert kernels_mgpu.config_for(40, k, n, 128, 4) == dataclasses.replace(c16, tile_t=40)

@@ -285,7 +285,7 @@ def test_pdl_interprets_like_the_reference():
 
 
 def test_token_tiles_by_rows(monkeypatch):
-    """16 to 16 rows, then 32, 40 (a tree of 32 and its root), 48, 64, whatever the group; LUCEBOX_MGPU_TIGHT=0 / 1
+    """16 up to 16 rows, then 32, 40 (a tree of 32 and its root), 48, 64, whatever the group; LUCEBOX_MGPU_TIGHT=0 / 1
     (TOKEN_TILES): 48 for 33-40 rows as before / every count rounded up to 8."""
     monkeypatch.setattr(mg, "TOKEN_TILES", "")
     rows = (1, 9, 16, 17, 32, 33, 40, 41, 48, 49, 64, 200)
