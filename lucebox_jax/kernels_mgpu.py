@@ -85,6 +85,8 @@ def config_for(m: int, k: int, n: int, g: int, bits: int):
         entry = {"cfg": {**e16["cfg"], "tile_t": mg.token_tile(m, g)}}
     if entry is not None:
         cfg = mg.MgpuConfig(**entry["cfg"])
+        if cfg.tile_t < mg.token_tile(m, g):  # an entry timed at fewer rows of its bucket (40 of 48, say) still
+            cfg = dataclasses.replace(cfg, tile_t=mg.token_tile(m, g))  # takes the rows in one token tile, not two
         cfg = cfg if mg.check_config(k, n, g, bits, cfg) is None else None
     cfg = with_decode(cfg or mg.default_config(m, k, n, g, bits), k, n, g, bits)
     return dataclasses.replace(cfg, pdl=True) if cfg is not None and PDL else cfg

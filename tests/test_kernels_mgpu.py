@@ -147,6 +147,21 @@ def test_wider_rows_take_the_16_row_entry(monkeypatch):
         mg.default_config(40, 4096, 28672, 128, 4), 4096, 28672, 128, 4)
 
 
+def test_an_entry_never_splits_its_rows_into_more_token_tiles(monkeypatch):
+    """A bucket's entry timed at fewer rows than the bucket holds (a sweep at 40 rows writes the 48-row entry with a
+    40-token tile) runs 41-48 rows in one 48-token tile, not two tiles that would stream the weight twice; a wider
+    tile than needed (the head's 48 at 40 rows) stays."""
+    monkeypatch.setattr(mg, "TOKEN_TILES", "")
+    cfg = mg.MgpuConfig(tile_m=128, tile_t=40, groups=1, split_k=2)
+    table = {kernels_mgpu.tuned_key(48, 4096, 28672, 128, 4): {"cfg": dataclasses.asdict(cfg)},
+             kernels_mgpu.tuned_key(48, 4096, 6144, 128, 4): {"cfg": dataclasses.asdict(
+                 dataclasses.replace(cfg, tile_t=48))}}
+    monkeypatch.setattr(kernels_mgpu, "tuned_table", lambda: table)
+    assert kernels_mgpu.config_for(40, 4096, 28672, 128, 4).tile_t == 40
+    assert kernels_mgpu.config_for(45, 4096, 28672, 128, 4).tile_t == 48
+    assert kernels_mgpu.config_for(40, 4096, 6144, 128, 4).tile_t == 48
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,g,bits,sym", GPU_CASES)
 def test_compiled_mgpu_matches_reference_on_hopper(m, k, n, g, bits, sym):
