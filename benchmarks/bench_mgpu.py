@@ -113,7 +113,9 @@ def main():
                 cands = [cands[int(i * step)] for i in range(args.max_configs)]
             # each load path (and pipeline depth) on what an untuned engine runs and on the table's configuration, then
             # the sweep
-            loads = [ld for ld in args.loads.split(",") if ld != "perm" or mg.perm_ok(g, bits)]
+            # `perm` asked of a weight it cannot serve (int8, int4 g32) runs `narrow`, as the engine's `load_mode` does
+            loads = list(dict.fromkeys(ld if ld != "perm" or mg.perm_ok(g, bits) else "narrow"
+                                       for ld in args.loads.split(",")))
             first = [mg.default_config(m, k, n, g, bits)]
             entry = km.tuned_table().get(km.tuned_key(km.m_bucket(m), k, n, g, bits))
             if entry:
