@@ -68,6 +68,7 @@ def main():
     ap.add_argument("--budget", type=float, default=420)
     ap.add_argument("--ms", default="1,16,64")
     ap.add_argument("--cases", default="")
+    ap.add_argument("--groups", default="", help="only these group sizes, e.g. 32 (the Q4_1 / Q4_K imports)")
     ap.add_argument("--max-configs", type=int, default=0, help="time an even spread of at most this many")
     ap.add_argument("--loads", default=",".join(mg.LOADS),
                     help="load paths (MgpuConfig.loads) timed on the default and the tabled configuration")
@@ -85,7 +86,8 @@ def main():
     ms = [int(v) for v in args.ms.split(",")]
     tuned = {}
     kept = dict(km.tuned_table())  # read before this run writes the engine's table
-    cases = [c for c in CASES if not args.cases or c[0] in args.cases.split(",")]
+    cases = [c for c in CASES if (not args.cases or c[0] in args.cases.split(","))
+             and (not args.groups or str(c[3]) in args.groups.split(","))]
     for m in ms:
         for label, k, n, g, bits in cases:
             if time.time() - t0 > args.budget:

@@ -2,9 +2,9 @@
 # One H200 call for issue 11: where the Mosaic-GPU qmatmul spends its time (ncu on the tabled configurations), then
 # configuration variants timed against the tabled ones and Pallas-Triton in the same call (bench_mgpu.py).
 # Usage on the device (repo root): bash benchmarks/gpu_mgpu_probe.sh   (results under $OUT, one archive probe.tgz)
-# NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_BUDGET (per shape) adjust. ncu segfaulted
-# under this script's first version on 2026-12-03 (fourth session), on a process's second case: each case now
-# runs in its own ncu process; NCU defaults to 0. NCU_SOURCE=1 adds stall samples per SASS instruction (CSV).
+# NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_GROUPS (e.g. 32), SWEEP_BUDGET (per shape) adjust.
+# ncu segfaulted under this script's first version on 2026-12-03 (fourth session), on a process's second case: each
+# case now runs in its own ncu process; NCU defaults to 0. NCU_SOURCE=1 adds stall samples per SASS instruction (CSV).
 # FULL_SWEEP=1: also an even spread of MAX_CONFIGS (12) candidate configurations per shape, after the variants;
 # TUNED=1: the sweep also writes the engine's table (bench_mgpu --write-tuned; a copy comes back in the archive);
 # DECODE=1: then the whole 8B-shaped step, `best` (the new table) against Pallas-Triton, and the tinygemm peer
@@ -66,6 +66,7 @@ if [ "${SWEEP:-1}" = 1 ]; then
   # SWEEP_GRACE (70 s): a configuration started just inside the budget compiles twice (check, timing) and is profiled
   for c in ${CASES:-gate_up down qkv o}; do
     timeout "$(( ${SWEEP_BUDGET:-60} + ${SWEEP_GRACE:-70} ))" python3 benchmarks/bench_mgpu.py --ms "${MS:-1}" --cases "$c" --loads perm \
+      $([ -n "${SWEEP_GROUPS:-}" ] && echo --groups "$SWEEP_GROUPS") \
       $([ "${FULL_SWEEP:-0}" = 1 ] && echo --max-configs "${MAX_CONFIGS:-12}" || echo --no-sweep) \
       --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS-$DEFAULT_VARIANTS}" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
     echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
