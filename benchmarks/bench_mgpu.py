@@ -98,6 +98,7 @@ def main():
             perm = mg.perm_ok(g, bits) and "perm" in args.loads.split(",")
             psets = [(x, mg.repack(w, k_perm=True)) for x, w in sets] if perm else msets  # K-permuted copies
             ssets = None  # the same in the split order, for `split_decode` configurations (made when one is timed)
+            pairs = {}  # int4 g32 stored two groups a row (`pair`), by split order (made when one is timed)
             nbytes = sets[0][1].nbytes + m * k * 2 + m * n * 2
             row = {"case": label, "k": k, "n": n, "g": g, "bits": bits, "m": m, "bytes": nbytes, "configs": []}
             base_fn = kernels_xla.qmatmul_xla if bits == 4 else kernels_xla.qmatmul8_xla
@@ -141,7 +142,11 @@ def main():
                     break
                 fn = lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)  # noqa: E731
                 run_sets = psets if cfg.loads == "perm" else msets
-                if cfg.split_decode:
+                if cfg.pair:  # int4 g32 two groups a row (its own copies: the kernel follows the weight's rows)
+                    pairs[cfg.split_decode] = pairs.get(cfg.split_decode) or [
+                        (x, mg.repack(w, k_perm=True, k_split=cfg.split_decode, k_pair=True)) for x, w in sets]
+                    run_sets = pairs[cfg.split_decode]
+                elif cfg.split_decode:
                     ssets = ssets or [(x, mg.repack(w, k_perm=True, k_split=True)) for x, w in sets]
                     run_sets = ssets
                 # a crash in compile names its config; the elapsed time shows a config started near the budget's end
@@ -176,7 +181,7 @@ def main():
                     "default": bool(p_us and best["us"] < p_us),
                     "measured": f"{time.strftime('%Y-%m-%d')} {jax.devices()[0].device_kind}"}
             RES["rows"].append(row)
-            del sets, msets, psets
+            del sets, msets, psets, ssets, pairs
             with open(os.path.join(OUT, "bench_mgpu.json"), "w") as f:
                 json.dump(RES, f, indent=1, default=str)
             about = (f"Per-shape Mosaic-GPU configurations for lucebox_jax/kernels_mgpu.py, keyed m<rows bucket>"

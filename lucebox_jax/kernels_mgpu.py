@@ -76,7 +76,9 @@ def m_bucket(m: int) -> int:
 WIDE_FROM_16 = os.environ.get("LUCEBOX_MGPU_WIDE", "1") != "0"
 
 
-def config_for(m: int, k: int, n: int, g: int, bits: int):
+def config_for(m: int, k: int, n: int, g: int, bits: int, pair: bool | None = None):
+    """The configuration for M rows of a shape: its tuned entry (or the 16-row one's, widened), else `default_config`.
+    pair: the weight's rows (`MgpuWeight.k_pair`, which the kernel follows) where known; None: as the table says."""
     from pallas_kernels import mgpu_qmatmul as mg
 
     cfg = None
@@ -87,8 +89,10 @@ def config_for(m: int, k: int, n: int, g: int, bits: int):
         cfg = mg.MgpuConfig(**entry["cfg"])
         if cfg.tile_t < mg.token_tile(m, g):  # an entry timed at fewer rows of its bucket (40 of 48, say) still
             cfg = dataclasses.replace(cfg, tile_t=mg.token_tile(m, g))  # takes the rows in one token tile, not two
+        if pair is not None and cfg.pair != pair:
+            cfg = dataclasses.replace(cfg, pair=pair)
         cfg = cfg if mg.check_config(k, n, g, bits, cfg) is None else None
-    cfg = with_decode(cfg or mg.default_config(m, k, n, g, bits), k, n, g, bits)
+    cfg = with_decode(cfg or mg.default_config(m, k, n, g, bits, pair=bool(pair)), k, n, g, bits)
     return dataclasses.replace(cfg, pdl=True) if cfg is not None and PDL else cfg
 
 
@@ -125,8 +129,8 @@ def _repack(w):
     k, n = w.shape
     g, bits = w.group_size, _bits(w)
     cfg = config_for(1, k, n, g, bits)
-    k_perm = mg.perm_ok(g, bits) and cfg.loads == "perm"
-    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and cfg.split_decode)
+    k_perm = (mg.perm_ok(g, bits) or cfg.pair) and cfg.loads == "perm"
+    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and cfg.split_decode, k_pair=cfg.pair)
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,7 +138,7 @@ def _repack_jit():
     from pallas_kernels import mgpu_qmatmul as mg
 
     # one jit: a weight shape compiles once, not per layer
-    return jax.jit(mg.repack, static_argnames=("k_perm", "k_split"))
+    return jax.jit(mg.repack, static_argnames=("k_perm", "k_split", "k_pair"))
 
 
 def prepare(w):
@@ -154,7 +158,7 @@ def _run(x, w, fallback):
         return fallback(x, w)
     m = x.shape[0]
     k, n = w.shape
-    cfg = config_for(m, k, n, w.group_size, w.bits) if m <= MGPU_MAX_M else None
+    cfg = config_for(m, k, n, w.group_size, w.bits, pair=w.k_pair) if m <= MGPU_MAX_M else None
     if cfg is None:
         return mg.reference(x, w)
     num_sms = getattr(jax.devices()[0], "core_count", 132)

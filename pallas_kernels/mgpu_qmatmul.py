@@ -21,7 +21,8 @@ order, by `_decode_split`'s shift, LOP3 and subtract a register), applies the gr
 after the last group (`wait_each_group` waits after each, which keeps one group's registers live at a time). With
 `scale_after` (symmetric weights) each group's raw codes go into a fresh accumulator instead (a step's groups all
 issued before any is read, so one group's conversion overlaps the previous group's wgmma), and its float32 sums are
-scaled: tm x tile_t multiplies, not tm x g.
+scaled: tm x tile_t multiplies, not tm x g. Int4 g32 (16-byte rows, too narrow for `perm`) may be stored two groups
+a row (`pair`, `repack(k_pair=True)`): the kernel then steps in 64-wide rows and scales each half by its own group.
 A work item is (output tile, token tile, K split); with `split_k` > 1 each split writes float32 partial sums that
 one small XLA reduction adds. With `stream_k` the grid is instead every tile's K steps laid end to end and cut into
 one equal run per CTA (`stream_plan`): one unbroken pipeline per SM, a tile cut between two CTAs summed after from
@@ -61,6 +62,9 @@ class MgpuConfig:
     #                            the group's partial sums (tm x tile_t values, not tm x g); asymmetric ones scale before
     stream_k: bool = False  # one pipeline per CTA over an equal share of all (tile, K step) steps, crossing tile
     #                         boundaries (see `stream_plan`); with `split_k` 1: it replaces the K splits
+    pair: bool = False  # int4 g32 (Q4_1 / Q4_K imports): codes stored two groups a 32-byte row (`repack(k_pair=True)`),
+    #                     so they take the `perm` loads (and `split_decode`) of 64-wide groups; each half of a row is
+    #                     scaled by its own group (`_halves`). Like `loads`, the kernel then follows the weight
     split_decode: bool = False  # perm loads: the weight in `perm_k(split=True)` order (`repack(k_split=True)`), each
     #                             register decoded by a shift, a LOP3 and a subtract (`_decode_split`), where
     #                             Mosaic's cast takes a PRMT, a LOP3 and a subtract a register, and a shift a word.
@@ -94,6 +98,7 @@ class MgpuWeight:
     bits: int = dataclasses.field(metadata=dict(static=True), default=4)
     k_perm: bool = dataclasses.field(metadata=dict(static=True), default=False)  # codes stored in `perm_k` order
     k_split: bool = dataclasses.field(metadata=dict(static=True), default=False)  # ... its `split` order (split_decode)
+    k_pair: bool = dataclasses.field(metadata=dict(static=True), default=False)  # g32 codes two groups a row (`pair`)
 
     prepared_by = "mgpu"  # the registered kernel that made it (lucebox_jax.quant.linear dispatches it there)
 
@@ -143,10 +148,10 @@ def unperm_k(a: jax.Array, split: bool = False) -> jax.Array:
     return jnp.swapaxes(a, -3, -2).reshape(*lead, g)
 
 
-def repack(w, k_perm: bool = False, k_split: bool = False) -> MgpuWeight:
+def repack(w, k_perm: bool = False, k_split: bool = False, k_pair: bool = False) -> MgpuWeight:
     """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g];
     `k_perm` (int4, `perm_ok`) stores each group's K in `perm_k` order for `loads="perm"` (`k_split`: its split
-    order, for `split_decode`)."""
+    order, for `split_decode`); `k_pair` (int4 g32, with `k_perm`) two groups a row, codes [K/64, N, 64]."""
     g = w.group_size
     offsets = None
     if isinstance(w, QuantArray):
@@ -161,23 +166,30 @@ def repack(w, k_perm: bool = False, k_split: bool = False) -> MgpuWeight:
     if offsets is not None:
         offsets = offsets.astype(w.scales.dtype)
     k, n = q.shape
-    codes = q.reshape(k // g, g, n).transpose(0, 2, 1)
+    if k_pair and not (bits == 4 and g == 32 and k_perm and k % 64 == 0):
+        raise ValueError(f"k_pair needs k_perm and int4 codes in groups of 32 (K a multiple of 64), not {bits}-bit "
+                         f"g{g}")
+    cg = 2 * g if k_pair else g  # the stored row: one group, or two
+    codes = q.reshape(k // cg, cg, n).transpose(0, 2, 1)
     if k_split and not k_perm:
         raise ValueError("k_split is an order of k_perm: pass both")
     if k_perm:
-        if not perm_ok(g, bits):
+        if not perm_ok(cg, bits):
             raise ValueError(f"k_perm needs int4 codes in groups of 64, 128 or 256, not {bits}-bit g{g}")
-        codes = codes[:, :, jnp.asarray(perm_k(g, k_split))]
+        codes = codes[:, :, jnp.asarray(perm_k(cg, k_split))]
     codes = codes.astype(jnp.int4) if bits == 4 else codes.astype(jnp.int8)
     return MgpuWeight(codes=codes, scales=w.scales, offsets=offsets, group_size=g, bits=bits, k_perm=k_perm,
-                      k_split=k_split)
+                      k_split=k_split, k_pair=k_pair)
 
 
 def dequantize_mgpu(w: MgpuWeight, dtype=jnp.float32) -> jax.Array:
     """The repacked weight as a dense [K, N] array (plain jnp; the reference semantics)."""
-    c = w.codes.astype(jnp.float32)  # [K/g, N, g]
+    c = w.codes.astype(jnp.float32)  # [K/g, N, g] ([K/2g, N, 2g] paired)
     if w.k_perm:
         c = unperm_k(c, w.k_split)
+    if w.k_pair:  # -> one group a row
+        kp, n, cg = c.shape
+        c = c.reshape(kp, n, 2, cg // 2).transpose(0, 2, 1, 3).reshape(2 * kp, n, cg // 2)
     s = w.scales.astype(jnp.float32)[:, :, None]
     v = c * s
     if w.offsets is not None:
@@ -208,17 +220,20 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"N {n} is not a multiple of the CTA tile {cta_m}"
     if g % 16 or g * bits // 8 < 16:
         return f"group {g} too small for a TMA box of {bits}-bit codes (needs >= 16 bytes and a multiple of 16)"
-    if k % g:
-        return f"K {k} is not a multiple of the group {g}"
-    kg = k // g
+    if cfg.pair and not (bits == 4 and g == 32 and cfg.loads == "perm" and not cfg.scale_after):
+        return "pair takes int4 groups of 32 on perm loads, without scale_after"
+    cg = 2 * g if cfg.pair else g  # a stored row of codes: the K a `groups` step counts in
+    if k % cg:
+        return f"K {k} is not a multiple of the group {g}" + (" pair" if cfg.pair else "")
+    kg = k // cg
     if kg % (cfg.groups * cfg.split_k):
         return f"{kg} groups do not split into {cfg.split_k} splits of steps of {cfg.groups} groups"
     if cfg.tile_t % 8 or cfg.tile_t > 256:  # wgmma N; the x tile's rows (K-minor, 8-row TMA tiling)
         return f"tile_t {cfg.tile_t} must be a multiple of 8 up to 256"
     if cfg.stream_k and cfg.split_k != 1:
         return "stream_k takes split_k 1 (it splits K itself)"
-    if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(g, bits)):
-        return "split_decode needs perm loads (int4 in groups of 64, 128 or 256)"
+    if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(cg, bits)):
+        return "split_decode needs perm loads (int4 in groups of 64, 128 or 256, or of 32 paired)"
     return None
 
 
@@ -316,6 +331,29 @@ def _decode_split(a: jax.Array) -> jax.Array:
     return decode(a)
 
 
+def _halves(a: jax.Array, b: jax.Array, interpret: bool = False) -> jax.Array:
+    """Two [rows, 2h] arrays in the WGMMA layout -> columns :h of `a` and h: of `b` (a paired row's two groups). In
+    the WGMMA layout a register holds two columns of one 8-column tile, and the tiles are the registers' second axis:
+    the result only relabels registers, no instruction runs."""
+    if interpret:
+        h = a.shape[1] // 2
+        return jnp.concatenate([a[:, :h], b[:, h:]], axis=1)
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA),
+                       return_type=plgpu.ShapeDtypeStruct(a.shape, a.dtype, layout=plgpu.Layout.WGMMA))
+    def pick(_, x, y):
+        regs = np.empty(x.registers.shape, dtype=object)
+        half = x.registers.shape[1] // 2  # 8-column tiles of the first group
+        for idx in np.ndindex(regs.shape):
+            regs[idx] = (x if idx[1] < half else y).registers[idx]
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+
+    return pick(a, b)
+
+
 def _same_kernel_same_name() -> None:
     """jax 0.11.2 names every Pallas Mosaic-GPU kernel it lowers `kernel_<counter>` inside the module (the attribute
     `mosaic_gpu.dump_basename`), so the 32 layers' identical kernels hash differently and each is compiled on its
@@ -355,14 +393,17 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     if k != k2:
         raise ValueError(f"x has K = {k}, the weight {k2}")
     g, bits = w.group_size, w.bits
+    cfg = dataclasses.replace(cfg, pair=w.k_pair)  # like the load path, the rows follow the weight
     why = check_config(k, n, g, bits, cfg)
     if why:
         raise ValueError(f"mgpu_matmul config {cfg} cannot serve K={k} N={n} g={g}: {why}")
+    cg = w.codes.shape[-1]  # the K of a stored row of codes: the group, or two paired
+    sg = cg // g  # scale groups a row
     tm, tt, gps, wgs, splits = cfg.tile_m, cfg.tile_t, cfg.groups, cfg.compute_wgs, cfg.split_k
     cta_m = tm * wgs
     mp = _round_up(max(m, 1), tt)
     n_tiles, t_tiles = n // cta_m, mp // tt
-    steps_per_split = k // g // gps // splits
+    steps_per_split = k // cg // gps // splits
     work = n_tiles * t_tiles * splits
     asym = w.offsets is not None
     stream = cfg.stream_k
@@ -381,8 +422,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     xp = x.astype(jnp.bfloat16)
     xp = xp if xr == m else jnp.pad(xp, ((0, xr - m), (0, 0)))  # [M (or padded rows), K]
 
-    code_swz = plgpu.find_swizzle(g * bits, "lhs")
-    x_swz = min(plgpu.find_swizzle(g * 16, "rhs"), 128)  # x rows are K-minor: a group's K is one or more swizzle tiles
+    code_swz = plgpu.find_swizzle(cg * bits, "lhs")
+    x_swz = min(plgpu.find_swizzle(cg * 16, "rhs"), 128)  # x rows are K-minor: a group's K is one or more swizzle tiles
     out_swz = min(plgpu.find_swizzle(tm * jnp.dtype(out_dtype).itemsize * 8, "out"), 128)
     code_tf = (plgpu.TilingTransform((8, code_swz * 8 // bits)),)
     if code_swz >= 32:  # a 16-byte row (int4, g = 32) takes no swizzle
@@ -395,7 +436,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     after = cfg.scale_after and w.offsets is None and scaled
     wide_layout = plgpu.Layout.WGMMA_UPCAST_4X if bits == 4 else plgpu.Layout.WGMMA_UPCAST_2X
     loads = load_mode(cfg, w)
-    a_swz = plgpu.find_swizzle(g * 16, "lhs")
+    a_swz = plgpu.find_swizzle(cg * 16, "lhs")
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 
     copy_x = cfg.probe != "skip_x"
@@ -422,13 +463,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             # slices, stepping along K
             at = at or (lambda st: (0, 0, st))
             specs = [
-                plgpu.BlockSpec((gps, cta_m, g), lambda st: (at(st)[2], at(st)[0], 0), transforms=code_tf),
-                plgpu.BlockSpec((gps, cta_m), lambda st: (at(st)[2], at(st)[0])),
+                plgpu.BlockSpec((gps, cta_m, cg), lambda st: (at(st)[2], at(st)[0], 0), transforms=code_tf),
+                plgpu.BlockSpec((gps * sg, cta_m), lambda st: (at(st)[2], at(st)[0])),
             ]
             if asym:
-                specs.append(plgpu.BlockSpec((gps, cta_m), lambda st: (at(st)[2], at(st)[0])))
+                specs.append(plgpu.BlockSpec((gps * sg, cta_m), lambda st: (at(st)[2], at(st)[0])))
             if copy_x:
-                specs.append(plgpu.BlockSpec((tt, gps * g), lambda st: (at(st)[1], at(st)[2]), transforms=x_tf))
+                specs.append(plgpu.BlockSpec((tt, gps * cg), lambda st: (at(st)[1], at(st)[2]), transforms=x_tf))
             return plgpu.emit_pipeline_warp_specialized(
                 body, grid=(per_cta if stream else steps_per_split,), memory_registers=40, in_specs=specs,
                 wg_axis="wg", num_compute_wgs=wgs, max_concurrent_steps=cfg.steps, compute_context=context)
@@ -443,10 +484,15 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             wrows = pl.ds(lax.axis_index("wg") * tm, tm)
             row_layout = plgpu.Layout.WGMMA.reduce(1)
 
-            def operand(j):  # group j's [tm, g] codes in wgmma's register layout, scaled unless `after`
+            def per_row(ref, j):  # row j's per-output values over its [tm, cg] codes (paired: each half its own)
+                vals = [lax.broadcast_in_dim(plgpu.load(ref.at[j * sg + h, wrows], layout=row_layout)
+                                             .astype(jnp.bfloat16), (tm, cg), (0,)) for h in range(sg)]
+                return vals[0] if sg == 1 else _halves(*vals, interpret=lhs_smem)
+
+            def operand(j):  # row j's [tm, cg] codes in wgmma's register layout, scaled unless `after`
                 # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)
                 if cfg.probe == "skip_convert":
-                    wq = plgpu.layout_cast(jnp.full((tm, g), 0, jnp.bfloat16), plgpu.Layout.WGMMA)
+                    wq = plgpu.layout_cast(jnp.full((tm, cg), 0, jnp.bfloat16), plgpu.Layout.WGMMA)
                 elif lhs_smem or loads == "narrow":  # interpret mode undoes a stored K order in jnp
                     wq = c_smem[j, wrows, :].astype(jnp.bfloat16)
                     wq = unperm_k(wq, w.k_split) if w.k_perm else wq
@@ -457,22 +503,17 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     # like the load path, the decode follows the weight (repacked once, for M = 1's configuration)
                     wq = _decode_split(wq) if w.k_split else _as_wgmma_layout(wq.astype(jnp.bfloat16))
-                if not scaled or after:
-                    wv = wq
-                else:
-                    sc = plgpu.load(s_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
-                    wv = wq * lax.broadcast_in_dim(sc, (tm, g), (0,))
+                wv = wq if not scaled or after else wq * per_row(s_smem, j)
                 if asym and scaled:  # (`after` is never asymmetric)
-                    off = plgpu.load(mn_smem.at[j, wrows], layout=row_layout).astype(jnp.bfloat16)
-                    wv = wv + lax.broadcast_in_dim(off, (tm, g), (0,))
+                    wv = wv + per_row(mn_smem, j)
                 if lhs_smem:  # (one buffer per group: a later group must not overwrite an unread one)
                     a_smem[lax.axis_index("wg"), j] = wv
                     plgpu.commit_smem()
                     wv = a_smem.at[lax.axis_index("wg"), j]
                 return wv
 
-            def x_rows(j):  # group j's x^T [g, tt]: a transposed view of the K-minor tile
-                return x_smem.at[:, pl.ds(j * g, g)].transpose((1, 0))
+            def x_rows(j):  # row j's x^T [cg, tt]: a transposed view of the K-minor tile
+                return x_smem.at[:, pl.ds(j * cg, cg)].transpose((1, 0))
 
             if after:
                 # every group's wgmma into its own accumulator before any is read, so group j + 1's loads
@@ -562,7 +603,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 grp = pl.ds(split * steps_per_split * gps, steps_per_split * gps)
                 rows = pl.ds(n_idx * cta_m, cta_m)
                 toks = pl.ds(t_idx * tt, tt)
-                kr = pl.ds(split * steps_per_split * gps * g, steps_per_split * gps * g)
+                kr = pl.ds(split * steps_per_split * gps * cg, steps_per_split * gps * cg)
+                grp_s = pl.ds(split * steps_per_split * gps * sg, steps_per_split * gps * sg)
 
                 def context(run):
                     if after:  # the carry is the float32 sum in registers; each group's wgmma gets a fresh ACC
@@ -577,9 +619,9 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                 def body(_, c_smem, s_smem, *refs):
                     return step(c_smem, s_smem, *smem_refs(refs))
 
-                args = [c_gmem.at[grp, rows, :], s_gmem.at[grp, rows]]
+                args = [c_gmem.at[grp, rows, :], s_gmem.at[grp_s, rows]]
                 if asym:
-                    args.append(mn_gmem.at[grp, rows])
+                    args.append(mn_gmem.at[grp_s, rows])
                 if copy_x:
                     args.append(x_gmem.at[toks, kr])
                 pipeline(body, context)(*args, allocations=allocs)
@@ -599,9 +641,9 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane if loads == "perm"
                                              and not lhs_smem else plgpu.LoweringSemantics.Warpgroup),
         scratch_types=dict(out_smem=plgpu.SMEM((wgs, tt, tm), out_dtype, transforms=out_tf),
-                           **({"a_smem": plgpu.SMEM((wgs, gps, tm, g), jnp.bfloat16, transforms=a_tf)}
+                           **({"a_smem": plgpu.SMEM((wgs, gps, tm, cg), jnp.bfloat16, transforms=a_tf)}
                               if lhs_smem else {}),
-                           **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * g), jnp.bfloat16,
+                           **({} if copy_x else {"x_scratch": plgpu.SMEM((tt, gps * cg), jnp.bfloat16,
                                                                          transforms=x_tf)})),
     )
     args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ())
@@ -631,12 +673,14 @@ def token_tile(m: int, g: int) -> int:
 TOKEN_TILES = {"1": "tight", "0": "old"}.get(os.environ.get("LUCEBOX_MGPU_TIGHT", ""), "")
 
 
-def default_config(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132) -> MgpuConfig | None:
+def default_config(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 132,
+                   pair: bool = False) -> MgpuConfig | None:
     """A configuration for a shape nobody tuned (None if the kernel cannot tile it): the widest CTA that divides N,
     pipeline steps of about 64 bytes of codes per row (the best steps of the first H200 sweep), and the fewest K
-    splits that give every SM a work item."""
-    tt, kg, row_bytes = token_tile(m, g), k // g, g * bits // 8
-    if k % g:
+    splits that give every SM a work item. pair: for a weight stored two groups a row (`MgpuConfig.pair`)."""
+    cg = 2 * g if pair else g
+    tt, kg, row_bytes = token_tile(m, g), k // cg, cg * bits // 8
+    if k % cg:
         return None
     groups = max([d for d in range(1, kg + 1) if kg % d == 0 and d * row_bytes <= 64] or [1])
     for tile_m, wgs in ((128, 2), (64, 2), (128, 1), (64, 1)):
@@ -645,7 +689,7 @@ def default_config(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int = 
         tiles = n // (tile_m * wgs) * -(-max(m, 1) // tt)
         splits = [s for s in range(1, 17) if (kg // groups) % s == 0]
         split = next((s for s in splits if tiles * s >= num_sms), splits[-1])
-        cfg = MgpuConfig(tile_m=tile_m, tile_t=tt, groups=groups, steps=4, split_k=split, compute_wgs=wgs)
+        cfg = MgpuConfig(tile_m=tile_m, tile_t=tt, groups=groups, steps=4, split_k=split, compute_wgs=wgs, pair=pair)
         if check_config(k, n, g, bits, cfg) is None:
             return cfg
     return None
@@ -677,4 +721,7 @@ def candidate_configs(m: int, k: int, n: int, g: int, bits: int, *, num_sms: int
                 cfg = MgpuConfig(tile_m=tile_m, tile_t=tt, groups=groups, steps=4, compute_wgs=wgs, stream_k=True)
                 if not check_config(k, n, g, bits, cfg):
                     out.append(cfg)  # one run per SM over all tiles: no split to choose
+    if bits == 4 and g == 32:  # each also on rows of two groups (`pair`), a step of as many bytes
+        twins = [dataclasses.replace(c, pair=True, groups=c.groups // 2) for c in out if c.groups % 2 == 0]
+        out += [c for c in twins if not check_config(k, n, g, bits, c)]
     return out

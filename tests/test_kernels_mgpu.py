@@ -280,6 +280,52 @@ def test_decode_knob_repacks_in_the_split_order(monkeypatch, interpreted, decode
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def test_a_paired_entry_repacks_g32_in_pairs_and_every_row_count_follows(monkeypatch, interpreted):
+    """A table entry with `pair` (int4 g32) repacks the weight two groups a row; the engine's configuration for any
+    row count then pairs too (the kernel follows the weight), its own entry or not; the linear (interpreted) gives
+    the product. Without the entry nothing pairs."""
+    rng = np.random.default_rng(5)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32)
+    assert not kernels_mgpu.prepare(w).k_pair
+    table = {kernels_mgpu.tuned_key(16, 256, 128, 32, 4): {"cfg": {"tile_m": 64, "compute_wgs": 2, "groups": 1,
+                                                                   "pair": True}, "default": True}}
+    monkeypatch.setattr(kernels_mgpu, "tuned_table", lambda: table)
+    pw = kernels_mgpu.prepare(w)
+    assert pw.k_pair and pw.k_perm and pw.k_split == (kernels_mgpu.DECODE == "split")
+    for m in (1, 3, 40):
+        cfg = kernels_mgpu.config_for(m, 256, 128, 32, 4, pair=True)
+        assert cfg.pair and mg.check_config(256, 128, 32, 4, cfg) is None
+    for m in (3, 40):
+        x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+        y = np.asarray(linear(x, pw, kernels=MGPU), np.float32)
+        ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+        assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n,split,stream", [(1, 4096, 28672, True, False), (1, 4096, 6144, True, False),
+                                                (16, 4096, 4096, False, False), (1, 14336, 4096, True, True),
+                                                (40, 4096, 28672, True, False), (9, 4096, 128256, True, False)])
+def test_paired_g32_matches_reference_on_hopper(m, k, n, split, stream):
+    """Int4 g32 with mins (Q4_1 / Q4_K imports) stored two groups a row (`pair`): the compiled register path (perm
+    loads, split or Mosaic's decode, each half scaled by `_halves`, which the interpreter does in jnp) against the
+    float32 product on 8B shapes."""
+    if kernels_mgpu.hopper_reason():
+        pytest.skip(kernels_mgpu.hopper_reason())
+    import dataclasses
+
+    rng = np.random.default_rng(m + n + k + 2)
+    w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=32)
+    pw = mg.repack(w, k_perm=True, k_split=split, k_pair=True)
+    cfg = dataclasses.replace(mg.default_config(m, k, n, 32, 4, pair=True), split_decode=split)
+    if stream:
+        cfg = dataclasses.replace(cfg, split_k=1, stream_k=True)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))(x, pw), np.float32)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+
+
 def test_best_is_the_hopper_default_only():
     """`best` is consulted first on sm_90 (`gpu:sm90`), while a GPU of another generation keeps Pallas-Triton."""
     assert kernels_mgpu.HOPPER_DEFAULT

@@ -375,3 +375,62 @@ def test_stream_k_lowers_for_h200(k, n, g, bits, m, sym):
             sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt
     assert mg.check_config(k, n, g, bits, dataclasses.replace(cfg, split_k=2))  # stream-K splits K itself
+
+
+@pytest.mark.parametrize("sym", [False, True])
+def test_paired_g32_repack_is_the_same_weight(sym):
+    """`repack(k_pair=True)` stores int4 g32 codes two groups a 64-wide row (perm order, split or not); the weight it
+    describes is unchanged. Only int4 g32 with k_perm pairs."""
+    rng = np.random.default_rng(11)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32, symmetric=sym)
+    plain = np.asarray(mg.dequantize_mgpu(mg.repack(w)))
+    for split in (False, True):
+        pw = mg.repack(w, k_perm=True, k_split=split, k_pair=True)
+        assert pw.k_pair and pw.codes.shape == (4, 128, 64) and pw.scales.shape == (8, 128) and pw.shape == (256, 128)
+        np.testing.assert_array_equal(np.asarray(mg.dequantize_mgpu(pw)), plain)
+    with pytest.raises(ValueError):
+        mg.repack(w, k_pair=True)  # no k_perm
+    with pytest.raises(ValueError):
+        mg.repack(quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=64), k_perm=True,
+                  k_pair=True)
+    assert mg.check_config(4096, 4096, 128, 4, mg.MgpuConfig(pair=True))  # g128: nothing to pair
+    assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(pair=True, scale_after=True))
+    assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(pair=True, loads="narrow"))
+    assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(pair=True, split_decode=True)) is None
+    assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(split_decode=True))  # unpaired g32 cannot split
+
+
+@pytest.mark.parametrize("sym,split", [(False, True), (True, False)])
+def test_paired_g32_interprets_like_the_reference(sym, split):
+    """Each half of a paired row takes its own group's scale (and offset): split-K, a 24-token tile and stream-K."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(12)
+    w = quantize_int4(rng.standard_normal((256, 256)).astype(np.float32), group_size=32, symmetric=sym)
+    pw = mg.repack(w, k_perm=True, k_split=split, k_pair=True)
+    for m, cfg in [(3, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=1, split_k=2, pair=True)),
+                   (20, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=2, tile_t=24, pair=True)),
+                   (5, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=1, stream_k=True, pair=True))]:
+        x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
+        y = mg.mgpu_matmul(x, pw, cfg, num_sms=5, interpret=plgpu.InterpretGPUParams())
+        assert y.shape == (m, 256)
+        assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
+
+
+@pytest.mark.parametrize("k,n,m,split,stream", [(4096, 28672, 1, True, False), (4096, 6144, 16, False, False),
+                                                (14336, 4096, 1, True, True)])
+def test_paired_g32_lowers_for_h200(k, n, m, split, stream):
+    """The register path of paired rows (perm loads, split or Mosaic's decode, each half scaled by `_halves`) lowers
+    for an abstract H200 at 8B shapes with mins; among the g32 candidates are paired twins."""
+    sds = jax.ShapeDtypeStruct
+    cfg = mg.default_config(m, k, n, 32, 4, pair=True)
+    cfg = dataclasses.replace(cfg, split_decode=split, **(dict(stream_k=True, split_k=1) if stream else {}))
+    assert cfg.pair and mg.check_config(k, n, 32, 4, cfg) is None
+    assert any(c.pair for c in mg.candidate_configs(m, k, n, 32, 4))
+    w = mg.MgpuWeight(codes=sds((k // 64, n, 64), jnp.int4), scales=sds((k // 32, n), jnp.float16),
+                      offsets=sds((k // 32, n), jnp.float16), group_size=32, bits=4, k_perm=True, k_split=split,
+                      k_pair=True)
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
