@@ -233,6 +233,17 @@ def test_stream_k_matches_reference_on_hopper(m, k, n, g, bits, sym):
     assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
 
 
+def _check_compiled(w, pw, cfg, rng, m: int, stream: bool):
+    """The compiled kernel on `pw` (stream-K if asked) against the float32 product of `w`, M random rows."""
+    if stream:
+        cfg = dataclasses.replace(cfg, split_k=1, stream_k=True)
+    k = w.shape[0]
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    y = np.asarray(jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))(x, pw), np.float32)
+    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
+    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,k,n,stream", [(1, 4096, 28672, False), (1, 14336, 4096, True), (16, 4096, 6144, False),
                                           (1, 4096, 4096, False), (33, 4096, 28672, False)])
@@ -241,18 +252,12 @@ def test_split_decode_matches_reference_on_hopper(m, k, n, stream):
     symmetric on the 8B shapes, against the float32 product."""
     if kernels_mgpu.hopper_reason():
         pytest.skip(kernels_mgpu.hopper_reason())
-    import dataclasses
 
     rng = np.random.default_rng(m + n + k + 1)
     w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=128, symmetric=True)
     pw = mg.repack(w, k_perm=True, k_split=True)
     cfg = dataclasses.replace(mg.default_config(m, k, n, 128, 4), loads="perm", scale_after=True, split_decode=True)
-    if stream:
-        cfg = dataclasses.replace(cfg, split_k=1, stream_k=True)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    y = np.asarray(jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))(x, pw), np.float32)
-    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
-    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+    _check_compiled(w, pw, cfg, rng, m, stream)
 
 
 @pytest.mark.parametrize("decode", ["split", "cast"])
@@ -312,18 +317,12 @@ def test_paired_g32_matches_reference_on_hopper(m, k, n, split, stream):
     float32 product on 8B shapes."""
     if kernels_mgpu.hopper_reason():
         pytest.skip(kernels_mgpu.hopper_reason())
-    import dataclasses
 
     rng = np.random.default_rng(m + n + k + 2)
     w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=32)
     pw = mg.repack(w, k_perm=True, k_split=split, k_pair=True)
     cfg = dataclasses.replace(mg.default_config(m, k, n, 32, 4, pair=True), split_decode=split)
-    if stream:
-        cfg = dataclasses.replace(cfg, split_k=1, stream_k=True)
-    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
-    y = np.asarray(jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))(x, pw), np.float32)
-    ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
-    assert np.linalg.norm(y - ref) / np.linalg.norm(ref) < 1e-2
+    _check_compiled(w, pw, cfg, rng, m, stream)
 
 
 def test_best_is_the_hopper_default_only():
