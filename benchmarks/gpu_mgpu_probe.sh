@@ -61,6 +61,14 @@ if [ "${STREAM:-0}" = 1 ]; then
   DEFAULT_VARIANTS='{"stream_k":true,"split_k":1};{"stream_k":true,"split_k":1,"groups":1};{"stream_k":true,"split_k":1,"steps":6};{"stream_k":true,"split_k":1,"ctas_per_sm":2,"steps":2}'
   CASES=${CASES:-gate_up down qkv o head}
 fi
+# PAIR_G128=1 (with SWEEP_GROUPS=32): each g32 shape's variants are its g128 twin's tabled (16-row) configuration on
+# rows of two groups (`pair`, as many bytes a step: twice the groups, no scale_after), also with 6 steps in flight
+pair_variants() {
+  python3 -c "import json,sys; from lucebox_jax import kernels_mgpu as km; k,n={'gate_up':(4096,28672),
+'down':(14336,4096),'qkv':(4096,6144),'o':(4096,4096)}[sys.argv[1]]; c=dict(km.tuned_table()[km.tuned_key(16,k,n,128,4)]['cfg'])
+c.update(pair=True, groups=2*c['groups'], scale_after=False); c.pop('split_decode', None)
+print(json.dumps(c) + ';' + json.dumps({**c, 'steps': 6}))" "$1"
+}
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   # SWEEP_GRACE (70 s): a configuration started just inside the budget compiles twice (check, timing) and is profiled
@@ -68,7 +76,7 @@ if [ "${SWEEP:-1}" = 1 ]; then
     timeout "$(( ${SWEEP_BUDGET:-60} + ${SWEEP_GRACE:-70} ))" python3 benchmarks/bench_mgpu.py --ms "${MS:-1}" --cases "$c" --loads perm \
       $([ -n "${SWEEP_GROUPS:-}" ] && echo --groups "$SWEEP_GROUPS") \
       $([ "${FULL_SWEEP:-0}" = 1 ] && echo --max-configs "${MAX_CONFIGS:-12}" || echo --no-sweep) \
-      --budget "${SWEEP_BUDGET:-60}" --variants "${VARIANTS-$DEFAULT_VARIANTS}" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
+      --budget "${SWEEP_BUDGET:-60}" --variants "$([ "${PAIR_G128:-0}" = 1 ] && pair_variants "$c" || echo "${VARIANTS-$DEFAULT_VARIANTS}")" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
     echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
     mv "$OUT/bench_mgpu.json" "$OUT/bench_mgpu_$c.json" 2>/dev/null
   done
