@@ -75,7 +75,7 @@ def main():
     ap.add_argument("--steps", default="", help="pipeline depths (MgpuConfig.steps) timed on those, e.g. 4,6,8 "
                     "(default: each configuration's own)")
     ap.add_argument("--variants", default="", help="';'-separated JSON objects of MgpuConfig fields, each applied to "
-                    "the tabled (else default) configuration and timed first, e.g. '{\"scale_after\": true}'")
+                    "the engine's configuration (km.config_for) and timed first, e.g. '{\"scale_after\": true}'")
     ap.add_argument("--no-sweep", action="store_true", help="time only the load paths, depths and variants")
     ap.add_argument("--write-tuned", action="store_true",
                     help="also write the table to pallas_kernels/mgpu_tuned.json (the engine's per-shape choice)")
@@ -123,6 +123,9 @@ def main():
             entry = km.tuned_table().get(km.tuned_key(km.m_bucket(m), k, n, g, bits))
             if entry:
                 first.append(mg.MgpuConfig(**entry["cfg"]))
+            # and what the engine runs (past 16 rows with no entry of its own: the 16-row entry widened); variants
+            # apply to it
+            first.append(km.config_for(m, k, n, g, bits))
             depths = [int(v) for v in args.steps.split(",") if v] or [None]
             # with the engine's int4 decode (split_decode where it applies; LUCEBOX_MGPU_DECODE=cast: Mosaic's cast), so
             # the table is chosen on what the engine runs; a variant naming split_decode sets it

@@ -69,6 +69,12 @@ pair_variants() {
 c.update(pair=True, groups=2*c['groups'], scale_after=False); c.pop('split_decode', None)
 print(json.dumps(c) + ';' + json.dumps({**c, 'steps': 6}))" "$1"
 }
+# VARIANTS_<case> (e.g. VARIANTS_down='{"tile_m":128}') replaces VARIANTS for that shape alone
+per_case_variants() {
+  local v="VARIANTS_$1"
+  if [ "${PAIR_G128:-0}" = 1 ]; then pair_variants "$1"; elif [ -n "${!v+x}" ]; then echo "${!v}"
+  else echo "${VARIANTS-$DEFAULT_VARIANTS}"; fi
+}
 if [ "${SWEEP:-1}" = 1 ]; then
   # one process per shape: a configuration that crashes the compiler loses only its shape (the log's last "trying")
   # SWEEP_GRACE (70 s): a configuration started just inside the budget compiles twice (check, timing) and is profiled
@@ -76,7 +82,7 @@ if [ "${SWEEP:-1}" = 1 ]; then
     timeout "$(( ${SWEEP_BUDGET:-60} + ${SWEEP_GRACE:-70} ))" python3 benchmarks/bench_mgpu.py --ms "${MS:-1}" --cases "$c" --loads perm \
       $([ -n "${SWEEP_GROUPS:-}" ] && echo --groups "$SWEEP_GROUPS") \
       $([ "${FULL_SWEEP:-0}" = 1 ] && echo --max-configs "${MAX_CONFIGS:-12}" || echo --no-sweep) \
-      --budget "${SWEEP_BUDGET:-60}" --variants "$([ "${PAIR_G128:-0}" = 1 ] && pair_variants "$c" || echo "${VARIANTS-$DEFAULT_VARIANTS}")" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
+      --budget "${SWEEP_BUDGET:-60}" --variants "$(per_case_variants "$c")" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1
     echo "rc $? $c"; grep -E "^  [a-z_]+ g|^[a-z_]+ g[0-9]+ [48] |copy bandwidth" "$OUT/sweep_$c.log" | cut -c1-250
     mv "$OUT/bench_mgpu.json" "$OUT/bench_mgpu_$c.json" 2>/dev/null
   done

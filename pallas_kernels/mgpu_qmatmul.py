@@ -218,6 +218,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"compute_wgs {cfg.compute_wgs}: only 1 or 2 compute warpgroups run"
     if n % cta_m:
         return f"N {n} is not a multiple of the CTA tile {cta_m}"
+    if cta_m > 256:  # the scales' TMA box spans the CTA's rows; Mosaic GPU's async copies take at most 256 a dimension
+        return f"a CTA of {cta_m} rows: TMA boxes take at most 256"
     if g % 16 or g * bits // 8 < 16:
         return f"group {g} too small for a TMA box of {bits}-bit codes (needs >= 16 bytes and a multiple of 16)"
     if cfg.pair and not (bits == 4 and g == 32 and cfg.loads == "perm" and not cfg.scale_after):

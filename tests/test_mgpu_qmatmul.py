@@ -315,6 +315,34 @@ def test_default_40_token_tile_lowers_for_a_tree_of_32(k, n, g, bits):
     assert "mosaic_gpu" in txt
 
 
+@pytest.mark.parametrize("k,n,variant", [(14336, 4096, dict(tile_m=128, compute_wgs=2)),
+                                         (14336, 4096, dict(tile_m=128, compute_wgs=2, groups=1, steps=4)),
+                                         (4096, 4096, dict(tile_m=128, compute_wgs=2, stream_k=True, split_k=1)),
+                                         (4096, 4096, dict(tile_m=128, compute_wgs=2, stream_k=True, split_k=1,
+                                                           groups=1))])
+def test_wider_cta_tiles_lower_for_a_tree_of_32(k, n, variant):
+    """At 40 tokens a 64- or 128-row CTA reads more x than weight bytes a step (4 * tokens / rows: 2.5 for o's 64):
+    the 256-row CTAs the gpu_mgpu_probe sweep times for down and o must fit shared memory on the engine's
+    configuration (perm loads, split decode)."""
+    from lucebox_jax import kernels_mgpu as km
+
+    sds = jax.ShapeDtypeStruct
+    cfg = dataclasses.replace(km.config_for(33, k, n, 128, 4), **variant)
+    assert mg.check_config(k, n, 128, 4, cfg) is None and cfg.tile_t == 40
+    w = mg.MgpuWeight(codes=sds((k // 128, n, 128), jnp.int4), scales=sds((k // 128, n), jnp.float16), offsets=None,
+                      group_size=128, bits=4, k_perm=True, k_split=cfg.split_decode)
+    with abstract_h200():
+        txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
+            sds((33, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in txt
+
+
+def test_ctas_past_256_rows_are_refused():
+    """A 512-row CTA failed in lowering (its scales' TMA box); check_config says so before any lowering."""
+    assert "256" in mg.check_config(4096, 28672, 128, 4, mg.MgpuConfig(tile_m=256, compute_wgs=2))
+    assert mg.check_config(4096, 28672, 128, 4, mg.MgpuConfig(tile_m=256, compute_wgs=1)) is None
+
+
 @pytest.mark.parametrize("tiles,steps,ctas", [(2, 8, 3), (4, 8, 3), (112, 16, 132), (32, 56, 132), (24, 16, 132),
                                               (501, 8, 132), (3, 5, 7), (1, 1, 132)])
 def test_stream_plan_covers_every_step_once(tiles, steps, ctas):
