@@ -2,7 +2,8 @@
 # One H200 call for issue 11: where the Mosaic-GPU qmatmul spends its time (ncu on the tabled configurations), then
 # configuration variants timed against the tabled ones and Pallas-Triton in the same call (bench_mgpu.py).
 # Usage on the device (repo root): bash benchmarks/gpu_mgpu_probe.sh   (results under $OUT, one archive probe.tgz)
-# NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS, CASES, SWEEP_GROUPS (e.g. 32), SWEEP_BUDGET (per shape) adjust.
+# NCU=0 / SWEEP=0 skip a part; NCU_CASES, VARIANTS (VARIANTS_<case> for one shape; PAIR_G128=1 for the g32 shapes on
+# their g128 twins' configurations, paired), CASES, SWEEP_GROUPS (e.g. 32), SWEEP_BUDGET (per shape) adjust.
 # ncu segfaulted under this script's first version on 2026-12-03 (fourth session), on a process's second case: each
 # case now runs in its own ncu process; NCU defaults to 0. NCU_SOURCE=1 adds stall samples per SASS instruction (CSV).
 # FULL_SWEEP=1: also an even spread of MAX_CONFIGS (12) candidate configurations per shape, after the variants;
