@@ -65,8 +65,9 @@ fi
 # PAIR_G128=1 (with SWEEP_GROUPS=32): each g32 shape's variants are its g128 twin's tabled (16-row) configuration on
 # rows of two groups (`pair`, as many bytes a step: twice the groups, no scale_after), also with 6 steps in flight
 pair_variants() {
-  python3 -c "import json,sys; from lucebox_jax import kernels_mgpu as km; k,n={'gate_up':(4096,28672),
-'down':(14336,4096),'qkv':(4096,6144),'o':(4096,4096)}[sys.argv[1]]; c=dict(km.tuned_table()[km.tuned_key(16,k,n,128,4)]['cfg'])
+  python3 -c "import json,sys; from lucebox_jax import kernels_mgpu as km
+k,n={'gate_up':(4096,28672),'down':(14336,4096),'qkv':(4096,6144),'o':(4096,4096)}[sys.argv[1]]
+c=dict(km.tuned_table()[km.tuned_key(16,k,n,128,4)]['cfg'])
 c.update(pair=True, groups=2*c['groups'], scale_after=False); c.pop('split_decode', None)
 print(json.dumps(c) + ';' + json.dumps({**c, 'steps': 6}))" "$1"
 }

@@ -51,7 +51,8 @@ class MgpuConfig:
     steps: int = 4  # pipeline stages in flight
     split_k: int = 1  # K splits (each a separate work item; float32 partials summed after)
     compute_wgs: int = 2  # compute warpgroups per CTA, each owning tile_m rows
-    lhs_smem: bool = False  # stage the dequantized tile in shared memory for wgmma (interpret mode needs this)
+    lhs_smem: bool = False  # stage the dequantized tile in shared memory for wgmma (interpret mode needs this;
+    #                         compiled, not on perm loads: `check_config`)
     wait_each_group: bool = False  # wgmma_wait after every group rather than once per pipeline step
     loads: str = "perm"  # how codes reach the WGMMA register layout (see `LOADS`); follows the weight's `k_perm`
     ctas_per_sm: int = 1  # persistent CTAs launched per SM (2 if shared memory and registers let two reside)
@@ -234,6 +235,8 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return f"tile_t {cfg.tile_t} must be a multiple of 8 up to 256"
     if cfg.stream_k and cfg.split_k != 1:
         return "stream_k takes split_k 1 (it splits K itself)"
+    if cfg.lhs_smem and cfg.loads == "perm":  # (interpret mode stages the tile in shared memory on any config)
+        return "lhs_smem on perm loads: undoing the stored K order takes a transpose Mosaic GPU does not lower"
     if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(cg, bits)):
         return "split_decode needs perm loads (int4 in groups of 64, 128 or 256, or of 32 paired)"
     return None
@@ -489,7 +492,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             def per_row(ref, j):  # row j's per-output values over its [tm, cg] codes (paired: each half its own)
                 vals = [lax.broadcast_in_dim(plgpu.load(ref.at[j * sg + h, wrows], layout=row_layout)
                                              .astype(jnp.bfloat16), (tm, cg), (0,)) for h in range(sg)]
-                return vals[0] if sg == 1 else _halves(*vals, interpret=lhs_smem)
+                return vals[0] if sg == 1 else _halves(*vals, interpret=interpret is not False)
 
             def operand(j):  # row j's [tm, cg] codes in wgmma's register layout, scaled unless `after`
                 # bf16 math: the H200 timed float32 dequantization at up to 1.8x the kernel time (round 2)

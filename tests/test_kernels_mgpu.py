@@ -335,9 +335,14 @@ def test_best_is_the_hopper_default_only():
 
 
 def test_configs_that_hung_or_have_no_path_are_refused():
-    """4 compute warpgroups hung on the H200; `perm` asked of a plain weight runs the `narrow` path."""
+    """4 compute warpgroups hung on the H200; the dequantized tile staged in shared memory on `perm` loads (paired g32
+    rows included) failed to lower for an abstract H200 (2026-12-06, thirtieth session: a transpose); `perm` asked of a
+    plain weight runs the `narrow` path."""
     cfg = mg.MgpuConfig(tile_m=64, compute_wgs=4, groups=1)
     assert "compute_wgs" in mg.check_config(4096, 28672, 128, 4, cfg)
+    assert "lhs_smem" in mg.check_config(4096, 6144, 128, 4, mg.MgpuConfig(loads="perm", lhs_smem=True))
+    assert "lhs_smem" in mg.check_config(4096, 6144, 32, 4, mg.MgpuConfig(loads="perm", pair=True, lhs_smem=True))
+    assert mg.check_config(4096, 6144, 128, 4, mg.MgpuConfig(loads="narrow", lhs_smem=True)) is None
     sds = jax.ShapeDtypeStruct
     plain = mg.MgpuWeight(codes=sds((128, 256, 32), jnp.int8), scales=sds((128, 256), jnp.float16), offsets=None,
                           group_size=32, bits=8)
