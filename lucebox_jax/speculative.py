@@ -37,7 +37,7 @@ from .engine import MIN_CACHE, Engine, StepOut, pow2_at_least, stop_matrix
 from .errors import InvalidSamplingParamsError
 from .model import KVCache, Weights, forward
 from .ops import KernelSet
-from .sampling import RowParams, by_temperature, filter_logits, if_penalized
+from .sampling import RowParams, by_temperature, filter_logits, if_penalized, log_softmax
 
 TAG_DRAFT, TAG_ACCEPT, TAG_RESAMPLE = 1, 2, 3
 AUTO_K = (1, 2, 4, 8)
@@ -172,7 +172,7 @@ def _verify_out(logits, drafts, n, nxt, hidden, cache, start, active, n_logprobs
     j = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     padded = jnp.concatenate([drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
     committed = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], nxt[:, None], -1))
-    lp = jax.nn.log_softmax(logits, axis=-1)
+    lp = log_softmax(logits.astype(jnp.float32))
     chosen = jnp.take_along_axis(lp, jnp.maximum(committed, 0)[..., None], axis=-1)[..., 0]
     if n_logprobs > 0:
         vals, ids = jax.lax.top_k(lp, n_logprobs)

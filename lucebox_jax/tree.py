@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from . import ops
 from .model import KVCache, forward
 from .ops import KernelSet
-from .sampling import by_temperature, filter_logits, if_penalized, top_k_wide
+from .sampling import by_temperature, filter_logits, if_penalized, logsumexp, top_k_wide
 from .speculative import keys_at
 
 TAG_TREE = 4  # (and 5: the resample) the walk's uniforms
@@ -51,7 +51,7 @@ def draft_children(logits, rp, positions, w: int, sample: bool):
     tokens; sampled rows w draws without replacement from q, the row's filtered draft distribution, in draw order."""
     logits = logits.astype(jnp.float32)
     score, top = top_k_wide(logits, w)
-    score = score - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    score = score - logsumexp(logits)
     if not sample:
         return score, top, None
     b, s, v = logits.shape

@@ -118,6 +118,28 @@ def test_top_k_wide_equals_lax_top_k():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
 
 
+def test_one_pass_logsumexp_against_numpy():
+    """The one-pass logsumexp (a variadic reduction of (max, scaled sum) pairs) against NumPy's float64 value, on
+    vocabulary-long rows, large magnitudes, rows with -inf (masked tokens) and an all -inf row (-inf, not nan)."""
+    from lucebox_jax.sampling import log_softmax, logsumexp
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 49152)) * 8
+    x[1] += 1e4  # exp would overflow without the running max
+    x[2, ::3] = -np.inf
+    x[3] = -np.inf
+    x[3, 7] = 2.5
+    want = np.log(np.sum(np.exp(x - x.max(-1, keepdims=True)), -1, keepdims=True)) + x.max(-1, keepdims=True)
+    got = np.asarray(jax.jit(logsumexp)(jnp.asarray(x, jnp.float32)), np.float64)
+    assert got.shape == (4, 1)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    assert got[3, 0] == 2.5
+    allneg = np.asarray(logsumexp(jnp.full((2, 300), -jnp.inf, jnp.float32)))
+    assert np.all(np.isneginf(allneg))
+    lp = np.asarray(jax.jit(log_softmax)(jnp.asarray(x[:2], jnp.float32)), np.float64)
+    np.testing.assert_allclose(np.log(np.sum(np.exp(lp), -1)), 0, atol=1e-5)
+
+
 def test_seed_reproducible_and_batch_independent():
     logits = jnp.asarray(np.random.default_rng(0).standard_normal((1, 1000)), jnp.float32)
     p = SamplingParams(temperature=1.0, seed=42)
