@@ -101,10 +101,10 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> KVCache:
 
 # one-row norms scaled after their matmul (normed_linear); False: before it, as rms_norm (benchmarks A/B this)
 DEFER_ONE_ROW_NORM = True
-# ... norms of up to this many rows (LUCEBOX_DEFER_NORM_ROWS; 1 by default). At 16 an 8B verify's norms become
-# reductions as a decode step's (a Triton normalization fusion otherwise: 3.2 us after o on an H100, a decode step's
-# reductions 1.9-2.3):
-# 372 -> 371 kernels, untimed
+# ... norms of up to this many rows (LUCEBOX_DEFER_NORM_ROWS; 1 by default). At 64 an 8B tree of 32's norms become
+# reductions as a decode step's (a Triton normalization fusion otherwise): 372 -> 371 kernels, the tree 3.42-3.45 ->
+# 3.38-3.39 ms on an H100 (2026-12-07, two pairs, inside the spread between sessions), but the embedded model's batch,
+# chain and tree steps gain 29-35 kernels (AOT counts), so 1 stays the default
 DEFER_NORM_ROWS = int(os.environ.get("LUCEBOX_DEFER_NORM_ROWS", "1") or "1")
 # a decode step's K/V appended by the decode kernel itself when it takes `append` (False: written first; A/B)
 APPEND_KV = True

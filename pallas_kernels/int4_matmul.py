@@ -325,11 +325,6 @@ _TUNABLE = ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages
 SMALL_WEIGHT_BYTES = 8 << 20  # int4 codes below this take the latency-bound heuristics (no tuned entry)
 SMALL_SPLIT_MAX_N = 1024  # 17-64 rows of small weights split one K tile a program up to this many outputs
 SPLIT_ALL = 1 << 12  # split_k is clamped to the number of K tiles: one tile per program
-# K tiles a program takes on small weights (LUCEBOX_SMALL_TILES; 1: one tile a program, the measured default). At 3
-# the embedded model's down (24 tiles) and o (9) write 8 and 3 partial sums instead of 24 and 9, few enough that XLA
-# fuses the residual add after down into the next norm's reduction: 360 -> 331 kernels a decode step (AOT count,
-# benchmarks/kernel_count.py), for longer programs; untimed
-SMALL_TILES = max(1, int(os.environ.get("LUCEBOX_SMALL_TILES", "1") or "1"))
 
 
 def m_bucket(m: int) -> int | None:
@@ -399,7 +394,7 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
         # 7,320 at batch 8 with block_n 64; benchmarks/RESULTS.md, "small weights"). Above 16 rows (a 64-row tile)
         # only for narrow outputs: at 33 rows (H100, 2026-12-05) qkv 5.4 -> 4.2 us, o 5.6 -> 3.7, down 5.6 -> 4.6,
         # but gate_up (N = 3,072) 5.7 -> 6.3
-        cfg.update(split_k=SPLIT_ALL if SMALL_TILES == 1 else _cdiv(k // 2 // cfg["block_k"], SMALL_TILES))
+        cfg.update(split_k=SPLIT_ALL)
         if m > 1:
             cfg.update(block_n=64)
     return cfg

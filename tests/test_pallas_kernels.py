@@ -160,30 +160,6 @@ def test_small_weights_split_one_k_tile_a_program_by_rows_and_width():
     assert mm.default_config(33, 16384, 1024, 32, on_gpu=True)["split_k"] is None  # 8 MB: not small
 
 
-def test_small_tiles_cut_the_partial_sums(monkeypatch):
-    """LUCEBOX_SMALL_TILES=T gives each program T K tiles of a small weight (split_k = ceil(tiles / T)): the
-    embedded model's down (24 tiles of 32 code rows) writes 8 partial sums at T = 3, o (9 tiles) 3; the product is the
-    same as the one-tile split's."""
-    from pallas_kernels import int4_matmul as mm
-
-    monkeypatch.setattr(mm, "SMALL_TILES", 3)
-    assert mm.default_config(1, 1536, 576, 32, on_gpu=True)["split_k"] == 8
-    assert mm.default_config(1, 576, 576, 32, on_gpu=True)["split_k"] == 3
-    assert mm.default_config(16, 1536, 576, 32, on_gpu=True)["split_k"] == 8
-    assert mm.default_config(1, 1536, 576, 32, on_gpu=False)["split_k"] is None
-    rng = np.random.default_rng(3)
-    x = jnp.asarray(rng.standard_normal((2, 1536)), jnp.float32)
-    codes = jnp.asarray(rng.integers(0, 256, (768, 64)), jnp.uint8)
-    scales = jnp.asarray(rng.uniform(0.01, 0.02, (48, 64)), jnp.float16)
-    kw = dict(group_size=32, block_k=32, num_warps=4, num_stages=2, interpret=True)
-    one = mm.int4_matmul(x, codes, scales, split_k=24, **kw)
-    three = mm.int4_matmul(x, codes, scales, split_k=8, **kw)
-    assert one.shape == three.shape == (2, 64)
-    np.testing.assert_allclose(np.asarray(three), np.asarray(one), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(three), np.asarray(mm.int4_matmul_reference(x, codes, scales, group_size=32)),
-                               rtol=1e-4, atol=1e-3)
-
-
 # ------------------------------------------------------------------------------------------------ decode attention
 DCASES = [  # B, Hq, Hkv, S, D, lengths, dtype, knobs
     (3, 9, 3, 100, 64, [1, 37, 100], jnp.float32, dict(block_k=32, min_programs=32)),  # SmolLM2 heads, 4 splits
