@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from . import ops
 from .model import KVCache, forward
 from .ops import KernelSet
-from .sampling import by_temperature, filter_logits, if_penalized, logsumexp, top_k_wide
+from .sampling import by_temperature, filter_logits, if_penalized, log_softmax, logsumexp, top_k_wide
 from .speculative import keys_at
 
 TAG_TREE = 4  # (and 5: the resample) the walk's uniforms
@@ -60,7 +60,7 @@ def draft_children(logits, rp, positions, w: int, sample: bool):
         rep = lambda a: jnp.repeat(a, s, axis=0)  # noqa: E731
         x = filter_logits(logits.reshape(b * s, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p),
                           sort=sort)
-        logq = jax.nn.log_softmax(x, axis=-1).reshape(b, s, v)
+        logq = log_softmax(x).reshape(b, s, v)
 
         def noise(k):  # node i's draws
             return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(k, i), (v,), jnp.float32))(jnp.arange(s))
