@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """One GPU run for issue 11: the Mosaic-GPU W4A16 / W8A16 kernel (`pallas_kernels/mgpu_qmatmul.py`) at Llama-3-8B
-layer shapes, swept over its configurations, against the Pallas-Triton kernel and XLA in the same call.
+layer shapes (or another preset's: --model qwen3-32b), swept over its configurations, against the Pallas-Triton kernel and XLA in the same call.
 
     cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_mgpu.py [--budget 420] [--ms 1,16,64]
 
@@ -32,14 +32,25 @@ import bench_kernels as bk  # noqa: E402
 from lucebox_jax import kernels_mgpu as km  # noqa: E402
 from lucebox_jax import kernels_xla  # noqa: E402
 from lucebox_jax.quant import Int8Array, dequantize  # noqa: E402
+from lucebox_jax.synthetic import PRESETS  # noqa: E402
 from pallas_kernels import mgpu_qmatmul as mg  # noqa: E402
 
 OUT = bk.OUT
 RES: dict = {"copy_GBps": None, "rows": [], "errors": []}
-# the g128 shapes first (the 8B decode benchmark's layout), then g32 (Q4_1 / Q4_K imports), the int8 head last
-CASES = [("gate_up", 4096, 28672, 128, 4), ("down", 14336, 4096, 128, 4), ("qkv", 4096, 6144, 128, 4),
-         ("o", 4096, 4096, 128, 4), ("head", 4096, 128256, 32, 8), ("gate_up", 4096, 28672, 32, 4),
-         ("down", 14336, 4096, 32, 4), ("qkv", 4096, 6144, 32, 4), ("o", 4096, 4096, 32, 4)]
+
+
+def model_cases(name: str) -> list[tuple[str, int, int, int, int]]:
+    """(label, K, N, group, bits) of a `synthetic.PRESETS` model's decode matmuls as the engine runs them (q, k, v
+    in one weight, gate and up in one): the g128 shapes first (the decode benchmark's layout), then the int8 g32 head,
+    then g32 (Q4_1 / Q4_K imports)."""
+    c = PRESETS[name]
+    ops4 = [("gate_up", c.dim, 2 * c.ffn_dim), ("down", c.ffn_dim, c.dim), ("qkv", c.dim, c.q_dim + 2 * c.kv_dim),
+            ("o", c.q_dim, c.dim)]
+    return ([(lb, k, n, 128, 4) for lb, k, n in ops4] + [("head", c.dim, c.vocab_size, 32, 8)]
+            + [(lb, k, n, 32, 4) for lb, k, n in ops4])
+
+
+CASES = model_cases("llama3-8b")
 
 
 def make_sets(k, n, g, bits, m):
@@ -67,7 +78,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--budget", type=float, default=420)
     ap.add_argument("--ms", default="1,16,64")
-    ap.add_argument("--cases", default="")
+    ap.add_argument("--cases", default="", help="only these shapes by label, e.g. gate_up,down")
+    ap.add_argument("--model", default="llama3-8b", choices=sorted(PRESETS),
+                    help="whose layer shapes (synthetic.PRESETS; e.g. qwen3-32b, gemma2-27b-shape)")
     ap.add_argument("--groups", default="", help="only these group sizes, e.g. 32 (the Q4_1 / Q4_K imports)")
     ap.add_argument("--max-configs", type=int, default=0, help="time an even spread of at most this many")
     ap.add_argument("--loads", default=",".join(mg.LOADS),
@@ -86,7 +99,7 @@ def main():
     ms = [int(v) for v in args.ms.split(",")]
     tuned = {}
     kept = dict(km.tuned_table())  # read before this run writes the engine's table
-    cases = [c for c in CASES if (not args.cases or c[0] in args.cases.split(","))
+    cases = [c for c in model_cases(args.model) if (not args.cases or c[0] in args.cases.split(","))
              and (not args.groups or str(c[3]) in args.groups.split(","))]
     for m in ms:
         for label, k, n, g, bits in cases:

@@ -71,10 +71,21 @@ c=dict(km.tuned_table()[km.tuned_key(16,k,n,128,4)]['cfg'])
 c.update(pair=True, groups=2*c['groups'], scale_after=False); c.pop('split_decode', None)
 print(json.dumps(c) + ';' + json.dumps({**c, 'steps': 6}))" "$1"
 }
+# MODEL=qwen3-32b (or gemma2-27b-shape): the sweep times that preset's shapes (bench_mgpu.py --model); LIKE_8B=1:
+# each shape's variants are the 8B table's 16-row configuration of the same op, and it on 64-row tiles (a schedule
+# the 8B sweeps found, for shapes no sweep has timed)
+like_8b_variants() {
+  python3 -c "import json,sys; from lucebox_jax import kernels_mgpu as km
+k,n,g,b={'gate_up':(4096,28672,128,4),'down':(14336,4096,128,4),'qkv':(4096,6144,128,4),'o':(4096,4096,128,4),
+         'head':(4096,128256,32,8)}[sys.argv[1]]
+c=dict(km.tuned_table()[km.tuned_key(16,k,n,g,b)]['cfg'])
+print(json.dumps(c) + ';' + json.dumps({**c, 'tile_m': 64}))" "$1"
+}
 # VARIANTS_<case> (e.g. VARIANTS_down='{"tile_m":128}') replaces VARIANTS for that shape alone
 per_case_variants() {
   local v="VARIANTS_$1"
-  if [ "${PAIR_G128:-0}" = 1 ]; then pair_variants "$1"; elif [ -n "${!v+x}" ]; then echo "${!v}"
+  if [ "${PAIR_G128:-0}" = 1 ]; then pair_variants "$1"; elif [ "${LIKE_8B:-0}" = 1 ]; then like_8b_variants "$1"
+  elif [ -n "${!v+x}" ]; then echo "${!v}"
   else echo "${VARIANTS-$DEFAULT_VARIANTS}"; fi
 }
 if [ "${SWEEP:-1}" = 1 ]; then
@@ -82,6 +93,7 @@ if [ "${SWEEP:-1}" = 1 ]; then
   # SWEEP_GRACE (70 s): a configuration started just inside the budget compiles twice (check, timing) and is profiled
   for c in ${CASES:-gate_up down qkv o}; do
     timeout "$(( ${SWEEP_BUDGET:-60} + ${SWEEP_GRACE:-70} ))" python3 benchmarks/bench_mgpu.py --ms "${MS:-1}" --cases "$c" --loads perm \
+      --model "${MODEL:-llama3-8b}" \
       $([ -n "${SWEEP_GROUPS:-}" ] && echo --groups "$SWEEP_GROUPS") \
       $([ "${FULL_SWEEP:-0}" = 1 ] && echo --max-configs "${MAX_CONFIGS:-12}" || echo --no-sweep) \
       --budget "${SWEEP_BUDGET:-60}" --variants "$(per_case_variants "$c")" $([ "${TUNED:-0}" = 1 ] && echo --write-tuned) > "$OUT/sweep_$c.log" 2>&1

@@ -462,3 +462,27 @@ def test_paired_g32_lowers_for_h200(k, n, m, split, stream):
         txt = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg)).trace(
             sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in txt
+
+
+@pytest.mark.parametrize("m", [1, 33])
+@pytest.mark.parametrize("preset", ["qwen3-32b", "gemma2-27b-shape"])
+def test_engine_configs_lower_for_27b_and_32b_shapes(preset, m):
+    """Every decode matmul of the 27B / 32B presets (q, k, v fused; gate and up fused; the int8 head), on the
+    configuration the engine runs for it (`kernels_mgpu.config_for`: a tuned entry, else `default_config`), at a
+    decode row and at a tree of 32 + root, lowered for an abstract H200: a shape's bad tile fails here, not on the GPU."""
+    from lucebox_jax import kernels_mgpu as km
+    from lucebox_jax.synthetic import PRESETS
+
+    c = PRESETS[preset]
+    sds = jax.ShapeDtypeStruct
+    for k, n, g, bits in [(c.dim, 2 * c.ffn_dim, 128, 4), (c.ffn_dim, c.dim, 128, 4),
+                          (c.dim, c.q_dim + 2 * c.kv_dim, 128, 4), (c.q_dim, c.dim, 128, 4), (c.dim, c.vocab_size, 32, 8)]:
+        cfg = km.config_for(m, k, n, g, bits)
+        assert cfg is not None and mg.check_config(k, n, g, bits, cfg) is None, (k, n, g, bits)
+        w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
+                          scales=sds((k // g, n), jnp.float16), offsets=None, group_size=g, bits=bits,
+                          k_perm=(perm := cfg.loads == "perm" and mg.perm_ok(g, bits)), k_split=perm and cfg.split_decode)
+        with abstract_h200():
+            txt = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)).trace(
+                sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in txt, (k, n, g, bits)
