@@ -11,6 +11,7 @@ registers nothing.
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import jax.numpy as jnp
@@ -68,13 +69,20 @@ else:
             return kernels_xla.qmatmul8_xla(x, w)
         return qmatmul8_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
 
+    # LUCEBOX_ATTN_SLIDING=0 (read at import; an A/B knob): sliding-window layers attend in XLA, as before the kernel
+    # took windows
+    SLIDING = os.environ.get("LUCEBOX_ATTN_SLIDING", "1") != "0"
+
     def _windowed(k, window) -> bool:
         return window is not None and window < k.shape[2]
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
     def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
                                    window_rows=0, window_anc=None, out_rows=0):
-        if not _pow2(q.shape[-1]) or _windowed(k, window):
+        # a sliding window (Gemma's local layers) runs in the kernel for decode rows and a chain's window, not a
+        # tree's nodes (their positions are their depths, not their slots)
+        sliding = window if SLIDING and _windowed(k, window) and window_anc is None and window_rows <= window else 0
+        if not _pow2(q.shape[-1]) or (_windowed(k, window) and not sliding):
             if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
                 o, k, v = kernels_xla.tree_rows_xla(q, k, v, lengths, window_anc, window_rows, scale=scale)
                 return kernels_xla.pad_rows(o, out_rows), k, v
@@ -92,7 +100,7 @@ else:
             win_mask = jnp.broadcast_to(words[:, None], (words.shape[0], q.shape[1] - 2 * k.shape[1],
                                                           words.shape[1]))
         return attention_decode_pallas(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
-                                       out_rows=out_rows, scale=scale, interpret=_interpret(),
+                                       out_rows=out_rows, sliding=sliding, scale=scale, interpret=_interpret(),
                                        row_invariant=_invariant())
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))

@@ -67,7 +67,8 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows, append, win_rows):
+def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows, append, win_rows,
+            sliding=0):
     row_ref, refs = (refs[0], refs[1:]) if has_rows else (None, refs)
     q_ref, k_ref, v_ref, *refs = refs
     if append:  # q_ref [B, Hq + 2 Hkv, D]; the aliased caches are the last two outputs
@@ -78,11 +79,18 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
     kb = row_ref[b] if has_rows else b  # the cache row this query row reads
     length = jnp.minimum(len_ref[b], seq)
     start = sp * chunk
+    lo = 0  # the first key the row sees (a sliding window: the row's position + 1 - sliding)
     if win_rows:  # this row is position t of its window: the cache is read before the window only
         t = b % win_rows
         wstart = jnp.clip(len_ref[b] - 1 - t, 0, seq - win_rows)  # (clamped as dynamic_update_slice clamps)
+        lo = jnp.maximum(wstart + t + 1 - sliding, 0) if sliding else 0
         length = jnp.minimum(length, wstart)
+    elif sliding:
+        lo = jnp.maximum(length - sliding, 0)
     end = jnp.minimum(start + chunk, jnp.minimum(length + 32 * nw, seq) if cache_nw else length)
+    if sliding:  # tiles wholly before the window are never read; a chunk with no key in it reads none
+        end = jnp.where(lo < end, end, start)
+        start = jnp.maximum(start, lo // bk * bk)
     n_blocks = jnp.maximum(end - start + bk - 1, 0) // bk
     rows = jnp.arange(bh)
     rmask = rows < g
@@ -106,7 +114,7 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         acc, m_i, l_i = carry
         k0 = pl.multiple_of(start + i * bk, bk)
         kpos = k0 + jnp.arange(bk)
-        kmask = kpos < end
+        kmask = (kpos < end) & (kpos >= lo) if sliding else kpos < end
         k = plgpu.load(k_ref.at[kb, h, pl.ds(k0, bk), :], mask=kmask[:, None], other=0)
         if append and not win_rows:
             k = jnp.where((kpos == slot)[:, None], k_new, k)
@@ -236,13 +244,13 @@ def env_overrides() -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant", "partials", "combine", "append", "window_rows", "out_rows", "pack"),
+                     "row_invariant", "partials", "combine", "append", "window_rows", "out_rows", "pack", "sliding"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
     row_invariant: bool = False, partials: bool = False, combine: str = "xla", append: bool = False,
-    window_rows: int = 0, out_rows: int = 0, pack: bool = False,
+    window_rows: int = 0, out_rows: int = 0, pack: bool = False, sliding: int = 0,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -264,7 +272,9 @@ def attention_decode(
     out_rows > B: the output has that many rows, zero past B (a matmul's input padded in the combine kernel, not by a
     pad kernel after it; not with partials).
     pack=True (with window_rows): one program a window and kv head instead of one a row (`attention_window.py`): the
-    prefix is read once for the window's T positions; n_split is then chosen for B / T windows."""
+    prefix is read once for the window's T positions; n_split is then chosen for B / T windows.
+    sliding=W > 0 (a sliding-window layer, Gemma's): the row at position p sees keys p - W + 1 .. p only, p =
+    lengths[b] - 1 (its window's own keys, with window_rows, all nearer than W); not with win_mask or pack."""
     _, hkv, seq, _ = k.shape
     bsz, hq, d = q.shape
     hq -= 2 * hkv if append else 0
@@ -274,6 +284,8 @@ def attention_decode(
     bk = min(block_k, max(16, _next_pow2(seq)))
     max_split = _cdiv(seq, bk)
     pack = pack and window_rows > 0 and not row_invariant
+    assert not (sliding and (pack or win_mask is not None)), "sliding windows: plain rows and chain windows only"
+    assert not (sliding and window_rows > sliding), (sliding, window_rows)
     if n_split is None:
         n_split = 1
         units = (1 if row_invariant else bsz // window_rows * position_blocks(window_rows, g) if pack
@@ -298,6 +310,7 @@ def attention_decode(
         kern = functools.partial(
             _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split,
             partials=partials, nw=nw, has_rows=rows is not None, append=append, win_rows=window_rows,
+            sliding=sliding,
         )
     if n_split == 1 and not partials:
         out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
@@ -364,8 +377,9 @@ def _merge_splits(outs, *, q, bsz, hq, d, n_split, partials, row_invariant, comb
     return pad(out.reshape(bsz, hq, d).astype(q.dtype))
 
 
-def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
-    """Plain jnp, float32: row b attends to cache row rows[b] (default b), positions < lengths[b]."""
+def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float, sliding: int = 0):
+    """Plain jnp, float32: row b attends to cache row rows[b] (default b), positions < lengths[b] (and, with a
+    sliding window W, >= lengths[b] - W)."""
     if rows is not None:
         k, v = k[rows], v[rows]
     bsz, hq, d = q.shape
@@ -373,6 +387,8 @@ def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
     qg = q.reshape(bsz, hkv, hq // hkv, d).astype(jnp.float32)
     s = jnp.einsum("bkgd,bksd->bkgs", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
     mask = jnp.arange(seq)[None, :] < lengths[:, None]
+    if sliding:
+        mask &= jnp.arange(seq)[None, :] >= lengths[:, None] - sliding
     s = jnp.where(mask[:, None, None, :], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgs,bksd->bkgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
@@ -380,17 +396,19 @@ def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float):
 
 
 def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale, append: bool = False,
-                            window_rows: int = 0, out_rows: int = 0, interpret: bool | None = None, **overrides):
+                            window_rows: int = 0, out_rows: int = 0, sliding: int = 0, interpret: bool | None = None,
+                            **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     invariant = overrides.get("row_invariant", False)
     pack = (PACK_WINDOWS == "1" or (PACK_WINDOWS != "0" and q.shape[-1] >= PACK_MIN_HEAD_DIM)) and append \
-        and window_rows > 0 and not invariant
+        and window_rows > 0 and not invariant and not sliding
     cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], invariant, mapped_rows=rows is not None,
                          packed=pack)
     if pack and math.prod(packed_tiles(window_rows, q.shape[1] // k.shape[1] - 2)) >= 128:
         cfg["num_warps"] = 8  # (a [128+, D] float32 accumulator: 8 warps hold it without spilling)
     cfg.update(overrides)
     return attention_decode(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
-                            out_rows=out_rows, pack=pack, scale=float(scale), interpret=interpret, **cfg)
+                            out_rows=out_rows, pack=pack, sliding=sliding, scale=float(scale), interpret=interpret,
+                            **cfg)
 

@@ -10,6 +10,8 @@ The `gpu`-marked checks run the compiled kernels and are skipped unless jax.defa
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -383,6 +385,69 @@ def test_attention_decode_window_registered_fallback():
     assert (np.asarray(k2) == np.asarray(kc)).all() and (np.asarray(v2) == np.asarray(vc)).all()
     want = kernels_xla.attention_decode_xla(q[:, :hq], kc, vc, lens, rows, scale=0.2)
     assert (np.asarray(out) == np.asarray(want)).all()
+
+
+SLIDING_CASES = [  # B, Hq, Hkv, S, D, lengths, sliding window W, knobs
+    (2, 4, 1, 256, 64, [40, 200], 64, {}),  # Gemma 3's heads (one kv head); a row shorter than W and one longer
+    (3, 8, 2, 512, 32, [100, 300, 512], 100, dict(n_split=8, combine="kernel")),  # W not a tile multiple; splits
+    (1, 4, 1, 512, 64, [450], 37, dict(n_split=1, block_k=128)),  # one split whose window starts mid-tile
+    (2, 4, 2, 128, 16, [1, 128], 16, dict(n_split=4)),  # slot 0 (W covers it); W = 16 at the cache's end
+]
+
+
+def _check_sliding(b, hq, hkv, s, d, lens, w, kw, interpret):
+    """A sliding-window layer (Gemma's local attention) as a decode step with append: the caches are XLA's write,
+    and the output is XLA's windowed attention (`kernels_xla.attention_decode_xla(window=W)`: keys p - W + 1 .. p)
+    to the kernels' rounding; tiles wholly before the window are not read, so they are filled with NaN here."""
+    q, k_new, v_new, k, v, lengths = _append_case(b, hq, hkv, s, d, lens, s + w)
+    before = jnp.arange(s)[None, None, :, None] < (lengths - w)[:, None, None, None] // 16 * 16  # whole 16-key tiles
+    k, v = jnp.where(before, jnp.nan, k), jnp.where(before, jnp.nan, v)
+    kc, vc = kernels_xla.write_kv(k, k_new[:, None], lengths - 1), kernels_xla.write_kv(v, v_new[:, None], lengths - 1)
+    want = kernels_xla.attention_decode_xla(q.astype(jnp.float32), jnp.nan_to_num(kc).astype(jnp.float32),
+                                            jnp.nan_to_num(vc).astype(jnp.float32), lengths, scale=d**-0.5, window=w)
+    fn = jax.jit(lambda q, k, v, L: attention_decode(q, k, v, L, scale=d**-0.5, interpret=interpret, append=True,
+                                                     sliding=w, **kw), donate_argnums=(1, 2))
+    out, k2, v2 = fn(jnp.concatenate([q, k_new, v_new], axis=1), k, v, lengths)
+    np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(kc, np.float32))
+    np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(vc, np.float32))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+    ref = attention_decode_reference(q, jnp.nan_to_num(kc), jnp.nan_to_num(vc), lengths, scale=d**-0.5, sliding=w)
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(want), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("b,hq,hkv,s,d,lens,w,kw", SLIDING_CASES)
+def test_attention_decode_sliding_window(b, hq, hkv, s, d, lens, w, kw):
+    _check_sliding(b, hq, hkv, s, d, lens, w, kw, interpret=True)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hq,hkv,s,d,lens,w,kw", SLIDING_CASES + [(1, 4, 1, 2048, 256, [1500], 512, {})])
+def test_attention_decode_sliding_window_gpu(b, hq, hkv, s, d, lens, w, kw):
+    _check_sliding(b, hq, hkv, s, d, lens, w, kw, interpret=False)
+
+
+def test_sliding_window_chain_rows_and_the_registered_op():
+    """A chain verify's window as decode rows in a sliding-window layer (each row sees its own last W positions),
+    through the registered op, which now sends windowed decode rows to the kernel: equal to XLA's windowed attention
+    of the cache written first."""
+    rng = np.random.default_rng(2)
+    b, t, hq, hkv, s, d, w = 2, 4, 4, 1, 256, 64, 50
+    qkv = jnp.asarray(rng.standard_normal((b * t, hq + 2 * hkv, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
+    start = jnp.asarray([30, 170], jnp.int32)
+    lens = (start[:, None] + 1 + jnp.arange(t)[None, :]).reshape(-1).astype(jnp.int32)
+    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
+    kc, vc = (kernels_xla.write_kv(c, qkv[:, sl].reshape(b, t, hkv, d), start)
+              for c, sl in ((k, slice(hq, hq + hkv)), (v, slice(hq + hkv, None))))
+    want = kernels_xla.attention_decode_xla(qkv[:, :hq], kc, vc, lens, rows, scale=0.125, window=w)
+    op = functools.partial(ops.get("attention_decode", "pallas"), scale=0.125, append=True, window_rows=t, window=w)
+    out, k2, v2 = op(qkv, k, v, lens, rows)
+    assert (np.asarray(k2) == np.asarray(kc)).all() and (np.asarray(v2) == np.asarray(vc)).all()
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), atol=2e-2, rtol=2e-2)
+    assert "pallas_call" in str(jax.make_jaxpr(op)(qkv, k, v, lens, rows))
+    one = functools.partial(ops.get("attention_decode", "pallas"), scale=0.125, window=w)  # a plain step: the kernel
+    assert "pallas_call" in str(jax.make_jaxpr(one)(qkv[:b, :hq], kc, vc, lens[t - 1::t]))
 
 
 def test_attention_decode_append_registered_fallback():
