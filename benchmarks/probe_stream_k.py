@@ -2,7 +2,8 @@
 product and timed. For configurations that may not return (the stream-K variants on qkv and o did not finish within
 80 s on the H200, 2026-12-05): run each under `timeout` so a hang costs only its own process.
 Usage (GPU): timeout 40 python3 benchmarks/probe_stream_k.py qkv '{"stream_k": true, "split_k": 1, "steps": 2}'
-The JSON replaces fields of the shape's tabled configuration (`kernels_mgpu`); prints one line."""
+The JSON replaces fields of the shape's tabled configuration (`kernels_mgpu`); prints one line. Another preset's
+shape: `qwen3-32b:qkv` (synthetic.PRESETS, q/k/v fused). Pallas-Triton is timed the same way after it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lucebox_jax import kernels_mgpu
+from lucebox_jax import kernels_mgpu, kernels_pallas, ops  # noqa: F401 (registers the Pallas-Triton kernels)
 from lucebox_jax.quant import dequantize, quantize_int4
+from lucebox_jax.synthetic import PRESETS
 from pallas_kernels import mgpu_qmatmul as mg
 
 SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096)}
@@ -24,7 +26,12 @@ SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), 
 
 def main() -> None:
     case, change = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
-    k, n = SHAPES[case]
+    if ":" in case:
+        c = PRESETS[case.split(":")[0]]
+        k, n = {"gate_up": (c.dim, 2 * c.ffn_dim), "down": (c.ffn_dim, c.dim), "qkv": (c.dim, c.q_dim + 2 * c.kv_dim),
+                "o": (c.q_dim, c.dim)}[case.split(":")[1]]
+    else:
+        k, n = SHAPES[case]
     m, g = int(change.pop("m", 1)), 128
     base = kernels_mgpu.config_for(m, k, n, g, 4)
     cfg = dataclasses.replace(base, **change)
@@ -33,7 +40,8 @@ def main() -> None:
     print(f"{case} M={m} {cfg} stream plan (steps per CTA, CTAs) {plan}", flush=True)
     rng = np.random.default_rng(0)
     w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=g, symmetric=True)
-    pw = mg.repack(w, k_perm=mg.perm_ok(g, 4))
+    perm = cfg.loads == "perm" and mg.perm_ok(g, 4)
+    pw = mg.repack(w, k_perm=perm, k_split=perm and cfg.split_decode)
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     f = jax.jit(lambda x, w: mg.mgpu_matmul(x, w, cfg))
     t0 = time.perf_counter()
@@ -41,14 +49,20 @@ def main() -> None:
     first = time.perf_counter() - t0
     ref = np.asarray(jnp.dot(x.astype(jnp.float32), dequantize(w)))
     err = np.linalg.norm(y - ref) / np.linalg.norm(ref)
-    for _ in range(5):
-        f(x, pw).block_until_ready()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        out = f(x, pw)
-    out.block_until_ready()
-    us = (time.perf_counter() - t0) / 50 * 1e6
+    us = wall_us(f, x, pw)
     print(f"{case} ok: first call (compile) {first:.1f} s, err {err:.1e}, {us:.1f} us a call (wall, dispatch included)")
+    pallas = jax.jit(lambda x, w: ops.get("qmatmul", "pallas")(x, w))
+    print(f"{case} Pallas-Triton: {wall_us(pallas, x, w):.1f} us a call (wall, dispatch included)", flush=True)
+
+
+def wall_us(f, x, w, n: int = 50) -> float:
+    for _ in range(5):
+        f(x, w).block_until_ready()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        out = f(x, w)
+    out.block_until_ready()
+    return (time.perf_counter() - t0) / n * 1e6
 
 
 if __name__ == "__main__":
