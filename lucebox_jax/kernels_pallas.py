@@ -69,8 +69,8 @@ else:
             return kernels_xla.qmatmul8_xla(x, w)
         return qmatmul8_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
 
-    # LUCEBOX_ATTN_SLIDING=0 (read at import; an A/B knob): sliding-window layers attend in XLA, as before the kernel
-    # took windows
+    # LUCEBOX_ATTN_SLIDING=0 (read at import; an A/B knob): sliding-window layers attend in XLA, as before the decode
+    # and prefill kernels took windows
     SLIDING = os.environ.get("LUCEBOX_ATTN_SLIDING", "1") != "0"
 
     def _windowed(k, window) -> bool:
@@ -80,7 +80,7 @@ else:
     def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
                                    window_rows=0, window_anc=None, out_rows=0):
         # a sliding window (Gemma's local layers) runs in the kernel for decode rows and a chain's window, not a
-        # tree's nodes (their positions are their depths, not their slots)
+        # tree's nodes (their positions are their depths, not their slots: those go to XLA)
         sliding = window if SLIDING and _windowed(k, window) and window_anc is None and window_rows <= window else 0
         if not _pow2(q.shape[-1]) or (_windowed(k, window) and not sliding):
             if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
@@ -105,10 +105,11 @@ else:
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
     def attention_prefill_pallas_op(q, k, v, start, *, scale, window=None):
-        if not _pow2(q.shape[-1]) or _windowed(k, window):
+        sliding = window if SLIDING and _windowed(k, window) else 0
+        if not _pow2(q.shape[-1]) or (_windowed(k, window) and not sliding):
             return kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale, window=window)
         return attention_prefill_pallas(q, k, v, start, scale=scale, interpret=_interpret(),
-                                        row_invariant=_invariant())
+                                        row_invariant=_invariant(), sliding=sliding)
 
     @ops.register("kv_move", "pallas", default_on=_on("kv_move"))
     def kv_move_pallas_op(caches, src, dst):

@@ -10,6 +10,10 @@ and masked stores), so each K/V tile is read once per kv head, not once per quer
 two phases: tiles entirely below the causal limit of the tile's first query (no mask at all), then the few tiles
 that straddle the diagonal (masked); tiles past the causal limit of the tile's last query are never read.
 Online softmax in float32 with exp2.
+
+`sliding=W` (a sliding-window layer, Gemma 3's local attention): query p also sees only keys > p - W. A third phase
+comes first then, the tiles that straddle the window's lower edge for some row (masked), and tiles wholly below the
+first query's window are never read.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, g, gp, bt, bk, t_len, seq, qk_scale):
+def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, g, gp, bt, bk, t_len, seq, qk_scale, sliding=0):
     b, h, tb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     d = q_ref.shape[-1]
     rows = bt * gp
@@ -52,13 +56,17 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, g, gp, bt, bk, t_len, seq,
     hi = jnp.minimum(st + t_last + 1, seq)  # keys [0, hi) are visible to some row
     n_blocks = (hi + bk - 1) // bk
     n_full = jnp.minimum(jnp.minimum(st + t0 + 1, seq) // bk, n_blocks)  # keys visible to every row
+    first, full_from = 0, 0  # (sliding) the first tile any row sees; the first one above every row's lower edge
+    if sliding:
+        first = jnp.minimum(jnp.maximum(st + t0 - sliding + 1, 0) // bk, n_blocks)
+        full_from = jnp.clip((jnp.maximum(st + t_last - sliding + 1, 0) + bk - 1) // bk, first, n_full)
 
     def step(i, carry, masked):
         acc, m_i, l_i = carry
         k0 = pl.multiple_of(i * bk, bk)
         kpos = k0 + jnp.arange(bk)
-        if masked:
-            kin = kpos < seq
+        if masked:  # (with a window, keys below every row's window are not loaded either)
+            kin = (kpos < seq) & (kpos > st + t0 - sliding) if sliding else kpos < seq
             k = plgpu.load(k_ref.at[b, h, pl.ds(k0, bk), :], mask=kin[:, None], other=0)
             v = plgpu.load(v_ref.at[b, h, pl.ds(k0, bk), :], mask=kin[:, None], other=0)
         else:
@@ -66,16 +74,23 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, g, gp, bt, bk, t_len, seq,
             v = v_ref[b, h, pl.ds(k0, bk), :]
         s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [rows, bk]
         if masked:
-            s = jnp.where((kpos[None, :] <= qpos[:, None]) & kin[None, :], s, _NEG)
+            vis = (kpos[None, :] <= qpos[:, None]) & kin[None, :]
+            if sliding:
+                vis &= kpos[None, :] > qpos[:, None] - sliding
+            s = jnp.where(vis, s, _NEG)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
         p = jnp.exp2(s - m_new[:, None])
+        if masked and sliding:  # a row may see none of a tile below its window (its m still -1e30: exp2(0) = 1)
+            p = jnp.where(vis, p, 0.0)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), init)
+    if sliding:  # the window's lower edge first (masked), then as without a window
+        init = lax.fori_loop(first, full_from, functools.partial(step, masked=True), init)
+    carry = lax.fori_loop(full_from, n_full, functools.partial(step, masked=False), init)
     acc, m_i, l_i = lax.fori_loop(n_full, n_blocks, functools.partial(step, masked=True), carry)
     out = acc / jnp.where(l_i > 0, l_i, 1.0)[:, None]
     out = out.astype(o_ref.dtype).reshape(bt, gp, d)
@@ -93,13 +108,14 @@ def default_config(t: int, g: int) -> dict:
 
 
 @functools.partial(
-    jax.jit, static_argnames=("scale", "block_t", "block_k", "num_warps", "num_stages", "interpret")
+    jax.jit, static_argnames=("scale", "block_t", "block_k", "num_warps", "num_stages", "interpret", "sliding")
 )
 def attention_prefill(
     q, k, v, start, *, scale: float, block_t: int | None = None, block_k: int = 64, num_warps: int = 4,
-    num_stages: int = 2, interpret: bool = False,
+    num_stages: int = 2, interpret: bool = False, sliding: int = 0,
 ):
-    """q [B, T, Hq, D], k/v [B, Hkv, S, D], start [B] int32 -> [B, T, Hq, D] (q.dtype)."""
+    """q [B, T, Hq, D], k/v [B, Hkv, S, D], start [B] int32 -> [B, T, Hq, D] (q.dtype); sliding=W > 0: query p
+    sees keys p - W < k <= p only."""
     bsz, t_len, hq, d = q.shape
     _, hkv, seq, _ = k.shape
     g = hq // hkv
@@ -110,7 +126,7 @@ def attention_prefill(
         bt = _next_pow2(_cdiv(16, gp))
     bk = min(block_k, max(16, _next_pow2(seq)))
     kern = functools.partial(
-        _kernel, g=g, gp=gp, bt=bt, bk=bk, t_len=t_len, seq=seq, qk_scale=scale * _LOG2E
+        _kernel, g=g, gp=gp, bt=bt, bk=bk, t_len=t_len, seq=seq, qk_scale=scale * _LOG2E, sliding=sliding
     )
     return pl.pallas_call(
         kern,
@@ -122,14 +138,16 @@ def attention_prefill(
     )(start.astype(jnp.int32), q, k, v)
 
 
-def attention_prefill_reference(q, k, v, start, *, scale: float):
-    """Plain jnp, float32."""
+def attention_prefill_reference(q, k, v, start, *, scale: float, sliding: int = 0):
+    """Plain jnp, float32 (sliding=W: keys p - W < k <= p)."""
     bsz, t_len, hq, d = q.shape
     hkv, seq = k.shape[1], k.shape[2]
     qg = q.reshape(bsz, t_len, hkv, hq // hkv, d).astype(jnp.float32)
     s = jnp.einsum("btkgd,bksd->bkgts", qg, k.astype(jnp.float32), precision=lax.Precision.HIGHEST) * scale
     qpos = start[:, None] + jnp.arange(t_len)[None, :]
     mask = jnp.arange(seq)[None, None, :] <= qpos[:, :, None]  # [B, T, S]
+    if sliding:
+        mask &= jnp.arange(seq)[None, None, :] > qpos[:, :, None] - sliding
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("bkgts,bksd->btkgd", p, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
@@ -137,11 +155,11 @@ def attention_prefill_reference(q, k, v, start, *, scale: float):
 
 
 def attention_prefill_pallas(q, k, v, start, *, scale, interpret: bool | None = None, row_invariant: bool = False,
-                             **overrides):
+                             sliding: int = 0, **overrides):
     """row_invariant: the tiles of a long window for every T (block_k depends on T otherwise), so a query's output
     does not depend on the window it was prefilled in (lucebox_jax.quant.ROW_INVARIANT)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     cfg = default_config(64 if row_invariant else q.shape[1], q.shape[2] // k.shape[1])
     cfg.update(overrides)
-    return attention_prefill(q, k, v, start, scale=float(scale), interpret=interpret, **cfg)
+    return attention_prefill(q, k, v, start, scale=float(scale), interpret=interpret, sliding=sliding, **cfg)

@@ -1,6 +1,6 @@
 """Gemma 3 as configuration, on a tiny random model: sliding-window attention equals a plain numpy loop (llama.cpp's
 rule: a query at p sees keys p - W < k <= p), prefill, decode, chunked prefill and speculative verify (chain and
-tree) agree with one another past the window (with XLA's attention and the Pallas decode kernel's), and
+tree) agree with one another past the window (with XLA's attention and the Pallas kernels'), and
 the GGUF metadata of a `gemma3` file maps to llama.cpp's settings (every 6th layer global, local RoPE base 10000)."""
 
 import jax
@@ -71,11 +71,12 @@ def test_pallas_decode_kernel_takes_short_windows():
     np.testing.assert_allclose(pallas(q, k, v, lengths, scale=0.25, window=32), full, rtol=1e-4, atol=1e-4)
 
 
-def test_decode_and_verify_past_the_window_with_the_pallas_decode_kernel(eng):
-    """The same model with the Pallas decode attention (interpret mode): decode steps and a chain verify's rows past
-    the window attend through the kernel's sliding window and give the naive generator's tokens."""
-    pe = Engine(CFG, eng.weights, KernelSet.resolve("attention_decode=pallas", backend="cpu"))
-    assert pe.kernels.attention_decode == "pallas"
+def test_prefill_decode_and_verify_past_the_window_with_the_pallas_kernels(eng):
+    """The same model with the Pallas attention kernels (interpret mode): the prompt's prefill, decode steps and a
+    chain verify's rows past the window attend through the kernels' sliding windows and give the naive generator's
+    tokens."""
+    pe = Engine(CFG, eng.weights, KernelSet.resolve("attention_decode=pallas,attention_prefill=pallas", backend="cpu"))
+    assert pe.kernels.attention_decode == "pallas" and pe.kernels.attention_prefill == "pallas"
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, CFG.vocab_size, 21)]
     ref = naive_greedy(CFG, KS, eng.weights, prompt, 10)
     assert greedy(pe, prompt, 10) == ref

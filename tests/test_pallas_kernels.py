@@ -643,6 +643,44 @@ def test_attention_prefill(b, t, hq, hkv, s, d, starts, dt, kw):
     assert rel(y, kernels_xla.attention_prefill_xla(q, k, v, start, scale=scale)) < TOL[dt]
 
 
+SLIDING_PCASES = [  # B, T, Hq, Hkv, S, D, starts, window W, knobs
+    (2, 40, 4, 1, 256, 64, [0, 150], 24, dict(block_t=16, block_k=32)),  # W < a tile's rows: every tile masked
+    (1, 64, 4, 2, 512, 32, [300], 100, dict(block_t=16, block_k=32)),  # edge, unmasked middle and diagonal tiles
+    (2, 5, 4, 1, 256, 64, [3, 200], 64, {}),  # a verify window (T <= 16: 128-key tiles), one row within W
+]
+
+
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,w,kw", SLIDING_PCASES)
+def test_attention_prefill_sliding_window(b, t, hq, hkv, s, d, starts, w, kw):
+    """Prefill with a sliding window W (Gemma 3's local layers): query p sees keys p - W < k <= p, as XLA's windowed
+    attention (llama.cpp's rule, `test_gemma3_config.py`); keys below every query's window are NaN here, so a tile
+    read there would show."""
+    rng = np.random.default_rng(t + w)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.float32) for _ in range(2))
+    start = jnp.asarray(starts, jnp.int32)
+    want = kernels_xla.attention_prefill_xla(q, k, v, start, scale=d**-0.5, window=w)
+    below = jnp.arange(s)[None, None, :, None] < (start - w + 1)[:, None, None, None] // 16 * 16
+    kn, vn = jnp.where(below, jnp.nan, k), jnp.where(below, jnp.nan, v)
+    y = attention_prefill(q, kn, vn, start, scale=d**-0.5, interpret=True, sliding=w, **kw)
+    assert rel(y, want) < TOL[jnp.float32]
+    assert rel(attention_prefill_reference(q, k, v, start, scale=d**-0.5, sliding=w), want) < TOL[jnp.float32]
+    got = ops.get("attention_prefill", "pallas")(q, k, v, start, scale=d**-0.5, window=w)  # the registered op: kernel
+    assert rel(got, want) < TOL[jnp.float32]
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,hq,hkv,s,d,starts,w,kw", SLIDING_PCASES + [(1, 512, 4, 1, 2048, 256, [700], 512, {})])
+def test_attention_prefill_sliding_window_gpu(b, t, hq, hkv, s, d, starts, w, kw):
+    rng = np.random.default_rng(t + w)
+    q = jnp.asarray(rng.standard_normal((b, t, hq, d)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((b, hkv, s, d)), jnp.bfloat16) for _ in range(2))
+    start = jnp.asarray(starts, jnp.int32)
+    y = attention_prefill(q, k, v, start, scale=d**-0.5, sliding=w, **kw)
+    assert rel(y, attention_prefill_reference(q, k, v, start, scale=d**-0.5, sliding=w)) < TOL[jnp.bfloat16]
+
+
 def test_attention_prefill_registered():
     rng = np.random.default_rng(12)
     b, t, hq, hkv, s, d = 1, 4, 9, 3, 32, 64
