@@ -65,7 +65,7 @@ def smol_ref(smol):
     return prompts, [o.outputs[0].token_ids for o in smol.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("n", [2, 8])  # (4 lies between: the same replicated attention, the MLP split as at 2 and 8)
 def test_embedded_model_greedy_equals_one_device(smol_ref, n):
     prompts, ref = smol_ref
     llm = LLM(tensor_parallel=n)
@@ -95,12 +95,13 @@ def llama3_8b_shaped(layers: int):
 
 
 def test_llama3_8b_shaped_greedy_equals_one_device():
-    """Llama-3-8B shapes (vocabulary, width, heads, FFN) at depth 1: 8 KV heads split at N = 2, 4 and 8."""
+    """Llama-3-8B shapes (vocabulary, width, heads, FFN) at depth 1: 8 KV heads split at N = 2 (4 a shard) and 8 (one
+    a shard; N = 4 runs in the all-reduce test, on tiny shapes)."""
     cfg, w = llama3_8b_shaped(1)
     prompts = [[128000, 791, 6864, 315, 9822, 374]]
     ref = greedy_ids(Engine(cfg, w, KernelSet.resolve()), prompts, 3)
     assert len(set(ref[0].tolist())) > 1  # not a degenerate repeat
-    for n in (2, 4, 8):
+    for n in (2, 8):
         eng = Engine(cfg, w, KernelSet.resolve(), tensor_parallel=n)
         assert eng.parallel.heads_split
         cache = eng.new_cache(1, 256)
