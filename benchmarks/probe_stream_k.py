@@ -18,20 +18,15 @@ import numpy as np
 
 from lucebox_jax import kernels_mgpu, kernels_pallas, ops  # noqa: F401 (registers the Pallas-Triton kernels)
 from lucebox_jax.quant import dequantize, quantize_int4
-from lucebox_jax.synthetic import PRESETS
 from pallas_kernels import mgpu_qmatmul as mg
 
-SHAPES = {"gate_up": (4096, 28672), "down": (14336, 4096), "qkv": (4096, 6144), "o": (4096, 4096)}
+from bench_mgpu import model_cases  # noqa: E402 (benchmarks/ is on the path when run as a script)
 
 
 def main() -> None:
     case, change = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
-    if ":" in case:
-        c = PRESETS[case.split(":")[0]]
-        k, n = {"gate_up": (c.dim, 2 * c.ffn_dim), "down": (c.ffn_dim, c.dim), "qkv": (c.dim, c.q_dim + 2 * c.kv_dim),
-                "o": (c.q_dim, c.dim)}[case.split(":")[1]]
-    else:
-        k, n = SHAPES[case]
+    model, _, op = case.rpartition(":")
+    k, n = next((k, n) for label, k, n, g, _ in model_cases(model or "llama3-8b") if label == op and g == 128)
     m, g = int(change.pop("m", 1)), 128
     base = kernels_mgpu.config_for(m, k, n, g, 4)
     cfg = dataclasses.replace(base, **change)
