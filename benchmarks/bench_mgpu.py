@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """One GPU run for issue 11: the Mosaic-GPU W4A16 / W8A16 kernel (`pallas_kernels/mgpu_qmatmul.py`) at Llama-3-8B
-layer shapes (or another preset's: --model qwen3-32b), swept over its configurations, against the Pallas-Triton kernel and XLA in the same call.
+layer shapes (or another preset's: --model qwen3-32b), swept over its configurations, against the Pallas-Triton
+kernel and XLA in the same call.
 
     cd <repo> && PYTHONPATH=. PYTHONUNBUFFERED=1 python3 benchmarks/bench_mgpu.py [--budget 420] [--ms 1,16,64]
 
@@ -32,7 +33,7 @@ import bench_kernels as bk  # noqa: E402
 from lucebox_jax import kernels_mgpu as km  # noqa: E402
 from lucebox_jax import kernels_xla  # noqa: E402
 from lucebox_jax.quant import Int8Array, dequantize  # noqa: E402
-from lucebox_jax.synthetic import PRESETS  # noqa: E402
+from lucebox_jax.synthetic import PRESETS, decode_matmuls  # noqa: E402
 from pallas_kernels import mgpu_qmatmul as mg  # noqa: E402
 
 OUT = bk.OUT
@@ -40,13 +41,10 @@ RES: dict = {"copy_GBps": None, "rows": [], "errors": []}
 
 
 def model_cases(name: str) -> list[tuple[str, int, int, int, int]]:
-    """(label, K, N, group, bits) of a `synthetic.PRESETS` model's decode matmuls as the engine runs them (q, k, v
-    in one weight, gate and up in one): the g128 shapes first (the decode benchmark's layout), then the int8 g32 head,
-    then g32 (Q4_1 / Q4_K imports)."""
-    c = PRESETS[name]
-    ops4 = [("gate_up", c.dim, 2 * c.ffn_dim), ("down", c.ffn_dim, c.dim), ("qkv", c.dim, c.q_dim + 2 * c.kv_dim),
-            ("o", c.q_dim, c.dim)]
-    return ([(lb, k, n, 128, 4) for lb, k, n in ops4] + [("head", c.dim, c.vocab_size, 32, 8)]
+    """(label, K, N, group, bits) of a `synthetic.PRESETS` model's decode matmuls (`synthetic.decode_matmuls`): the
+    int4 g128 shapes first (the decode benchmark's layout), then the int8 g32 head, then g32 (Q4_1 / Q4_K imports)."""
+    *ops4, (_, hk, hn) = decode_matmuls(PRESETS[name])
+    return ([(lb, k, n, 128, 4) for lb, k, n in ops4] + [("head", hk, hn, 32, 8)]
             + [(lb, k, n, 32, 4) for lb, k, n in ops4])
 
 

@@ -75,9 +75,9 @@ print(json.dumps(c) + ';' + json.dumps({**c, 'steps': 6}))" "$1"
 # each shape's variants are the 8B table's 16-row configuration of the same op, and it on 64-row tiles (a schedule
 # the 8B sweeps found, for shapes no sweep has timed)
 like_8b_variants() {
-  python3 -c "import json,sys; from lucebox_jax import kernels_mgpu as km
-k,n,g,b={'gate_up':(4096,28672,128,4),'down':(14336,4096,128,4),'qkv':(4096,6144,128,4),'o':(4096,4096,128,4),
-         'head':(4096,128256,32,8)}[sys.argv[1]]
+  python3 -c "import json,sys; from lucebox_jax import kernels_mgpu as km, synthetic as sy
+k,n=dict((l,(k,n)) for l,k,n in sy.decode_matmuls(sy.PRESETS['llama3-8b']))[sys.argv[1]]
+g,b=(32,8) if sys.argv[1]=='head' else (128,4)
 c=dict(km.tuned_table()[km.tuned_key(16,k,n,g,b)]['cfg'])
 print(json.dumps(c) + ';' + json.dumps({**c, 'tile_m': 64}))" "$1"
 }

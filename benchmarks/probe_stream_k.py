@@ -3,7 +3,7 @@ product and timed. For configurations that may not return (the stream-K variants
 80 s on the H200, 2026-12-05): run each under `timeout` so a hang costs only its own process.
 Usage (GPU): timeout 40 python3 benchmarks/probe_stream_k.py qkv '{"stream_k": true, "split_k": 1, "steps": 2}'
 The JSON replaces fields of the shape's tabled configuration (`kernels_mgpu`); prints one line. Another preset's
-shape: `qwen3-32b:qkv` (synthetic.PRESETS, q/k/v fused). Pallas-Triton is timed the same way after it."""
+shape: `qwen3-32b:qkv` (`synthetic.decode_matmuls`). Pallas-Triton is timed the same way after it."""
 
 from __future__ import annotations
 
@@ -18,15 +18,14 @@ import numpy as np
 
 from lucebox_jax import kernels_mgpu, kernels_pallas, ops  # noqa: F401 (registers the Pallas-Triton kernels)
 from lucebox_jax.quant import dequantize, quantize_int4
+from lucebox_jax.synthetic import PRESETS, decode_matmuls
 from pallas_kernels import mgpu_qmatmul as mg
-
-from bench_mgpu import model_cases  # noqa: E402 (benchmarks/ is on the path when run as a script)
 
 
 def main() -> None:
     case, change = sys.argv[1], json.loads(sys.argv[2] if len(sys.argv) > 2 else "{}")
     model, _, op = case.rpartition(":")
-    k, n = next((k, n) for label, k, n, g, _ in model_cases(model or "llama3-8b") if label == op and g == 128)
+    k, n = next((k, n) for label, k, n in decode_matmuls(PRESETS[model or "llama3-8b"]) if label == op)
     m, g = int(change.pop("m", 1)), 128
     base = kernels_mgpu.config_for(m, k, n, g, 4)
     cfg = dataclasses.replace(base, **change)

@@ -33,6 +33,13 @@ PRESETS = {
 }
 
 
+def decode_matmuls(cfg: ModelConfig) -> list[tuple[str, int, int]]:
+    """(label, K, N) of a model's matmuls in a decode step as `random_weights` lays them out (q, k, v in one weight;
+    gate and up in one), the LM head last: the shapes the kernel benchmarks and tables are keyed by."""
+    return [("gate_up", cfg.dim, 2 * cfg.ffn_dim), ("down", cfg.ffn_dim, cfg.dim),
+            ("qkv", cfg.dim, cfg.q_dim + 2 * cfg.kv_dim), ("o", cfg.q_dim, cfg.dim), ("head", cfg.dim, cfg.vocab_size)]
+
+
 def random_int4(key, k: int, n: int, group_size: int, asymmetric: bool, scale: float) -> QuantArray:
     kc, ks, km = jax.random.split(key, 3)
     codes = jax.random.randint(kc, (k // 2, n), 0, 256, jnp.int32).astype(jnp.uint8)

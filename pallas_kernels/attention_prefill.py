@@ -80,9 +80,9 @@ def _kernel(start_ref, q_ref, k_ref, v_ref, o_ref, *, g, gp, bt, bk, t_len, seq,
             s = jnp.where(vis, s, _NEG)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         alpha = jnp.exp2(m_i - m_new)
+        # (a row that sees none of an edge tile keeps m = -1e30 and sums exp2(0) = 1 there: its first visible key
+        # makes alpha exp2(-1e30 - m) = 0, which clears that; the keys loaded there are cache entries, finite)
         p = jnp.exp2(s - m_new[:, None])
-        if masked and sliding:  # a row may see none of a tile below its window (its m still -1e30: exp2(0) = 1)
-            p = jnp.where(vis, p, 0.0)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
         return acc, m_new, l_new

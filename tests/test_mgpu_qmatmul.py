@@ -471,17 +471,17 @@ def test_engine_configs_lower_for_27b_and_32b_shapes(preset, m):
     configuration the engine runs for it (`kernels_mgpu.config_for`: a tuned entry, else `default_config`), at a
     decode row and at a tree of 32 + root, lowered for an abstract H200: a shape's bad tile fails here, not on the GPU."""
     from lucebox_jax import kernels_mgpu as km
-    from lucebox_jax.synthetic import PRESETS
+    from lucebox_jax.synthetic import PRESETS, decode_matmuls
 
-    c = PRESETS[preset]
     sds = jax.ShapeDtypeStruct
-    for k, n, g, bits in [(c.dim, 2 * c.ffn_dim, 128, 4), (c.ffn_dim, c.dim, 128, 4),
-                          (c.dim, c.q_dim + 2 * c.kv_dim, 128, 4), (c.q_dim, c.dim, 128, 4), (c.dim, c.vocab_size, 32, 8)]:
+    for label, k, n in decode_matmuls(PRESETS[preset]):
+        g, bits = (32, 8) if label == "head" else (128, 4)
         cfg = km.config_for(m, k, n, g, bits)
         assert cfg is not None and mg.check_config(k, n, g, bits, cfg) is None, (k, n, g, bits)
+        perm = cfg.loads == "perm" and mg.perm_ok(g, bits)
         w = mg.MgpuWeight(codes=sds((k // g, n, g), jnp.int4 if bits == 4 else jnp.int8),
                           scales=sds((k // g, n), jnp.float16), offsets=None, group_size=g, bits=bits,
-                          k_perm=(perm := cfg.loads == "perm" and mg.perm_ok(g, bits)), k_split=perm and cfg.split_decode)
+                          k_perm=perm, k_split=perm and cfg.split_decode)
         with abstract_h200():
             txt = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)).trace(
                 sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
