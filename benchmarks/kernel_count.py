@@ -304,7 +304,8 @@ def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
 
 def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
     """One decode step of a synthetic model's shapes (synthetic.PRESETS; weights only as shapes, never made):
-    int4 g--group with a Q8_0-style int8 head, as bench_decode builds them, batch --batch-syn, cache --context."""
+    int4 g--group (or int8 g32: --linear-bits 8) with a Q8_0-style int8 head, as bench_decode builds them, batch
+    --batch-syn, cache --context."""
     import jax
     import jax.numpy as jnp
 
@@ -314,8 +315,9 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
 
     cfg = synthetic.PRESETS[preset].replace(dtype="bfloat16")
     b = args.batch_syn
-    w = jax.eval_shape(lambda: ops.prepare_weights(synthetic.random_weights(cfg, jax.random.key(0), args.group),
-                                                   ks))
+    g = 32 if args.linear_bits == 8 else args.group
+    w = jax.eval_shape(lambda: ops.prepare_weights(
+        synthetic.random_weights(cfg, jax.random.key(0), g, linear_bits=args.linear_bits), ks))
     cache = jax.eval_shape(lambda: init_cache(cfg, b, args.context))
     rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b, static=True)  # as LLM.generate runs it
     seen = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.bool_)
@@ -386,6 +388,8 @@ def main(argv=None) -> int:
     p.add_argument("--tree-syn", type=int, default=0, help="with --synthetic: count a tree verify of this many nodes")
     p.add_argument("--context", type=int, default=1024, help="cache length of the synthetic decode step")
     p.add_argument("--group", type=int, default=128, help="int4 group size of the synthetic weights (as bench_decode)")
+    p.add_argument("--linear-bits", type=int, choices=(4, 8), default=4,
+                   help="8: int8 g32 linear layers (a Q4_K_M file's layout, as bench_decode --linear-bits 8)")
     p.add_argument("--branch", choices=("smallest", "largest"), default="smallest",
                    help="which branch of a conditional the tables count (smallest: greedy sampling)")
     p.add_argument("--depth", type=int, default=4, help="call-path levels in the by-source table")
