@@ -5,8 +5,8 @@ Written for Gemma 3's sliding-window layers in the Pallas prefill kernel (A/B: o
 LUCEBOX_ATTN_SLIDING=0 and =1; the knob is read at import):
     LUCEBOX_ATTN_SLIDING=0 python3 benchmarks/bench_prefill.py --model gemma3_270m --lengths 512,2048,4096
     python3 benchmarks/bench_prefill.py --small          # CPU smoke run
-Prints one JSON line per (batch, length): ms, prompt tokens/s, and a hash of the last logits (same math <=> same
-hash up to the kernels' rounding)."""
+Prints one JSON line per (batch, length): ms, prompt tokens/s, and a hash of the last logits rounded to 2 decimals
+(the same kernels give the same hash; two attention paths round differently, so an A/B's hashes need not agree)."""
 
 from __future__ import annotations
 
