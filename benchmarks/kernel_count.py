@@ -315,9 +315,8 @@ def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
 
     cfg = synthetic.PRESETS[preset].replace(dtype="bfloat16")
     b = args.batch_syn
-    g = 32 if args.linear_bits == 8 else args.group
-    w = jax.eval_shape(lambda: ops.prepare_weights(
-        synthetic.random_weights(cfg, jax.random.key(0), g, linear_bits=args.linear_bits), ks))
+    w = jax.eval_shape(lambda: ops.prepare_weights(  # (int8 layers are g32 whatever --group says)
+        synthetic.random_weights(cfg, jax.random.key(0), args.group, linear_bits=args.linear_bits), ks))
     cache = jax.eval_shape(lambda: init_cache(cfg, b, args.context))
     rp = RowParams.from_params([SamplingParams(temperature=0.0)] * b, static=True)  # as LLM.generate runs it
     seen = jax.ShapeDtypeStruct((b, cfg.vocab_size), jnp.bool_)
