@@ -222,6 +222,7 @@ def compile_for(dev, fn, static: tuple, arrays: tuple, **static_kw) -> str:
         lowered = fn.trace(*static, *abstract, **static_kw).lower()
     text = lowered.compile().as_text()
     if os.environ.get("DUMP_HLO"):  # the compiled module, to read what a count is made of (DUMP_HLO=<folder>)
+        os.makedirs(os.environ["DUMP_HLO"], exist_ok=True)
         with open(os.path.join(os.environ["DUMP_HLO"], f"hlo_{jitted_name(text) or 'step'}.txt"), "w") as f:
             f.write(text)
     return text
