@@ -151,18 +151,26 @@ def prepare_best(w):
     return _repack(w) if _tiles(w) and measured_faster(w) else w
 
 
-def _run(x, w, fallback):
+def _run(x, w, fallback, parts=False):
+    """parts=True: the product as a tuple of partial sums (`quant.linear_parts`)."""
     from pallas_kernels import mgpu_qmatmul as mg
 
     if not isinstance(w, mg.MgpuWeight):  # a shape prepare left in the engine's format
-        return fallback(x, w)
+        return fallback(x, w, parts=True) if parts and _takes_parts(fallback) else (
+            (fallback(x, w)[None],) if parts else fallback(x, w))
     m = x.shape[0]
     k, n = w.shape
     cfg = config_for(m, k, n, w.group_size, w.bits, pair=w.k_pair) if m <= MGPU_MAX_M else None
     if cfg is None:
-        return mg.reference(x, w)
+        return (mg.reference(x, w)[None],) if parts else mg.reference(x, w)
     num_sms = getattr(jax.devices()[0], "core_count", 132)
-    return _matmul_jit()(x, w, cfg, num_sms=num_sms, interpret=INTERPRET)
+    return _matmul_jit()(x, w, cfg, num_sms=num_sms, interpret=INTERPRET, parts=parts)
+
+
+def _takes_parts(fn) -> bool:
+    import inspect
+
+    return "parts" in inspect.signature(fn).parameters
 
 
 @functools.lru_cache(maxsize=1)
@@ -171,7 +179,7 @@ def _matmul_jit():
     function (on this project's CPU, lowering 32 calls took 6.3 s unjitted and 0.4 s so), not once per layer."""
     from pallas_kernels import mgpu_qmatmul as mg
 
-    return jax.jit(mg.mgpu_matmul, static_argnames=("cfg", "num_sms", "interpret"))
+    return jax.jit(mg.mgpu_matmul, static_argnames=("cfg", "num_sms", "interpret", "parts"))
 
 
 def _pallas_or_xla(op: str):
@@ -197,23 +205,23 @@ def padded_rows(m: int) -> int:
 
 
 @ops.register("qmatmul", "mgpu", prepare=prepare, usable=hopper_reason, rows=padded_rows)
-def qmatmul_mgpu_op(x, w):
-    return _run(x, w, _pallas_or_xla("qmatmul"))
+def qmatmul_mgpu_op(x, w, parts=False):
+    return _run(x, w, _pallas_or_xla("qmatmul"), parts)
 
 
 @ops.register("qmatmul8", "mgpu", prepare=prepare, usable=hopper_reason, rows=padded_rows)
-def qmatmul8_mgpu_op(x, w):
-    return _run(x, w, _pallas_or_xla("qmatmul8"))
+def qmatmul8_mgpu_op(x, w, parts=False):
+    return _run(x, w, _pallas_or_xla("qmatmul8"), parts)
 
 
 # `best`: mgpu per shape where measured faster, Pallas-Triton elsewhere
 @ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster(),
               rows=padded_rows)
-def qmatmul_best_op(x, w):
-    return _run(x, w, _pallas_or_xla("qmatmul"))
+def qmatmul_best_op(x, w, parts=False):
+    return _run(x, w, _pallas_or_xla("qmatmul"), parts)
 
 
 @ops.register("qmatmul8", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster(),
               rows=padded_rows)
-def qmatmul8_best_op(x, w):
-    return _run(x, w, _pallas_or_xla("qmatmul8"))
+def qmatmul8_best_op(x, w, parts=False):
+    return _run(x, w, _pallas_or_xla("qmatmul8"), parts)

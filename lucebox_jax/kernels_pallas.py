@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from . import kernels_xla, ops, quant
+from .qkv_prologue import full_tables
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +56,22 @@ else:
         """Many rows go to XLA's dequantize + dot, except in row-invariant mode (one kernel for every M)."""
         return m > _PALLAS_MAX_M and not _interpret() and not _invariant()
 
+    # parts=True: the product as a tuple of partial sums (`quant.linear_parts`; split-K's as the kernel wrote them)
     @ops.register("qmatmul", "pallas", default_on=_on("qmatmul"))
-    def qmatmul_pallas_op(x, w):
+    def qmatmul_pallas_op(x, w, parts=False):
         k = x.shape[-1]
         if not _pow2(w.group_size) or (k // 2) % w.group_size or _to_xla(x.shape[0]):
-            return kernels_xla.qmatmul_xla(x, w)
-        return qmatmul_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
+            y = kernels_xla.qmatmul_xla(x, w)
+            return (y[None],) if parts else y
+        return qmatmul_pallas(x, w, interpret=_interpret(), row_invariant=_invariant(), parts=parts)
 
     @ops.register("qmatmul8", "pallas", default_on=_on("qmatmul8"))
-    def qmatmul8_pallas_op(x, w):
+    def qmatmul8_pallas_op(x, w, parts=False):
         k = x.shape[-1]
         if w.group_size < 16 or k % w.group_size or _to_xla(x.shape[0]):
-            return kernels_xla.qmatmul8_xla(x, w)
-        return qmatmul8_pallas(x, w, interpret=_interpret(), row_invariant=_invariant())
+            y = kernels_xla.qmatmul8_xla(x, w)
+            return (y[None],) if parts else y
+        return qmatmul8_pallas(x, w, interpret=_interpret(), row_invariant=_invariant(), parts=parts)
 
     # LUCEBOX_ATTN_SLIDING=0 (read at import; an A/B knob): sliding-window layers attend in XLA, as before the decode
     # and prefill kernels took windows
@@ -78,10 +82,20 @@ else:
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
     def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
-                                   window_rows=0, window_anc=None, out_rows=0):
+                                   window_rows=0, window_anc=None, out_rows=0, prologue=None):
         # a sliding window (Gemma's local layers) runs in the kernel for decode rows and a chain's window, not a
         # tree's nodes (their positions are their depths, not their slots: those go to XLA)
         sliding = window if SLIDING and _windowed(k, window) and window_anc is None and window_rows <= window else 0
+        if prologue is not None:  # q: the qkv matmul's partial sums (a tuple), the rest done in the kernel
+            d = q[0].shape[-1]
+            if _pow2(d) and not (_windowed(k, window) and not sliding):
+                cos, sin = full_tables(prologue.cos, prologue.sin, prologue.interleaved)
+                args = dict(parts=q[1:], row_sumsq=prologue.row_sumsq, cos=cos, sin=sin, q_norm=prologue.q_norm,
+                            k_norm=prologue.k_norm)
+                return attention_decode_pallas(q[0], k, v, lengths, append=True, sliding=sliding, scale=scale,
+                                               interpret=_interpret(), prologue=args, prologue_eps=prologue.eps,
+                                               prologue_dim=prologue.width, rope_interleaved=prologue.interleaved)
+            q = prologue.apply(q)  # in jnp, then as any decode step
         if not _pow2(q.shape[-1]) or (_windowed(k, window) and not sliding):
             if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
                 o, k, v = kernels_xla.tree_rows_xla(q, k, v, lengths, window_anc, window_rows, scale=scale)

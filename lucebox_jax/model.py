@@ -20,6 +20,7 @@ from . import ops, quant
 from .config import ModelConfig
 from .kernels_xla import write_kv as _write_kv
 from .ops import KernelSet
+from .qkv_prologue import QKVPrologue, rope_tables, rotate
 from .quant import linear
 
 
@@ -108,6 +109,9 @@ DEFER_ONE_ROW_NORM = True
 DEFER_NORM_ROWS = int(os.environ.get("LUCEBOX_DEFER_NORM_ROWS", "1") or "1")
 # a decode step's K/V appended by the decode kernel itself when it takes `append` (False: written first; A/B)
 APPEND_KV = True
+# ... and, where the kernel takes `prologue`, the step's qkv partial sums as the matmul wrote them, summed, normed and
+# rotated by the attention kernel on its loads (qkv_prologue.py; LUCEBOX_QKV_PROLOGUE=0: by XLA first, the A/B)
+QKV_PROLOGUE = os.environ.get("LUCEBOX_QKV_PROLOGUE", "1") != "0"
 # ... and a short verify's window (LUCEBOX_VERIFY_APPEND=0 writes it first: A/B in benchmarks)
 APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
 # ... and a tree verify of at most `tree_rows_limit` rows (nodes and root), as decode rows with its ancestors as bits:
@@ -188,18 +192,25 @@ def normed_linear(x, norm_w, eps, lw_w, bias=None, *, kernels):
 def rope(x, positions, theta, interleaved, pos_scale=1.0):
     """x [B, T, H, hd], positions [B, T]. interleaved: rotate pairs (2i, 2i+1) (GGUF llama); else (i, i + hd/2).
     pos_scale: linear RoPE scaling (positions times 1 / factor)."""
-    hd = x.shape[-1]
-    inv = 1.0 / (theta ** (jnp.arange(0, hd, 2, dtype=jnp.float32) / hd))  # [hd/2]
-    ang = (positions.astype(jnp.float32) * pos_scale)[:, :, None, None] * inv  # [B, T, 1, hd/2]
-    cos, sin = jnp.cos(ang), jnp.sin(ang)
-    xf = x.astype(jnp.float32)
-    if interleaved:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+    cos, sin = rope_tables(positions, x.shape[-1], theta, pos_scale)  # [B, T, hd/2]
+    return rotate(x, cos[:, :, None], sin[:, :, None], interleaved)
+
+
+def _prologue_attend(cfg, kernels, attn, lw, x, kc, vc, start, tables, scale, extra):
+    """A decode step's attention with the kernel doing what lies between the qkv matmul and it (`QKVPrologue`):
+    the attention norm (its row scale deferred as `normed_linear` defers it), the matmul's partial sums as written,
+    and the RoPE tables (cos, sin) [B, hd/2] of the layer. -> (out [B, Hq, hd], k cache, v cache)."""
+    xr = x.reshape(-1, x.shape[-1])
+    if one_deferred_row(x):  # (rms_norm_deferred's h and, for its scale, the sum of squares its mean divides)
+        xf = xr.astype(jnp.float32)
+        h, ss = (xf * lw.attn_norm.astype(jnp.float32)).astype(xr.dtype), jnp.sum(xf * xf, axis=-1)
     else:
-        x1, x2 = xf[..., : hd // 2], xf[..., hd // 2 :]
-        out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-    return out.astype(x.dtype)
+        h, ss = rms_norm(xr, lw.attn_norm, cfg.rms_eps), None
+    heads = cfg.n_heads + 2 * cfg.n_kv_heads
+    parts = tuple(p.reshape(*p.shape[:2], heads, cfg.head_dim) for p in quant.linear_parts(h, lw.wqkv, kernels))
+    pro = QKVPrologue(*tables, ss, lw.q_norm, lw.k_norm, cfg.n_heads, cfg.n_kv_heads, cfg.rms_eps, x.shape[-1],
+                      cfg.rope_interleaved, jnp.dtype(cfg.dtype).name)
+    return attn(parts, kc, vc, start + 1, scale=scale, append=True, prologue=pro, **extra)
 
 
 def split_parts(y, groups: int, sizes: tuple[int, ...]) -> list:
@@ -315,6 +326,9 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     # that appends a short verify's window (`window_rows`; not in the row-invariant mode, whose verify must round as
     # decode steps that read the window from the cache)
     append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
+    prologue = (append and QKV_PROLOGUE and not quant.ROW_INVARIANT
+                and ops.accepts("attention_decode", kernels.attention_decode, "prologue"))
+    rope_of = {}  # a decode step's RoPE tables, once per (theta, scale)
     append_rows = (as_decode and APPEND_VERIFY and not quant.ROW_INVARIANT
                    and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
     # a short tree the same way: node t a decode row writing its K/V at slot start + t and seeing its ancestors
@@ -326,35 +340,42 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             and ops.accepts("attention_decode", kernels.attention_decode, "window_anc")):
         tree_rows_anc = tree[1].reshape(b * t, t)
     for i, lw in enumerate(w.layers):
-        qkv = unpad(normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels))
-        q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
-        q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
-        if lw.q_norm is not None:
-            q = rms_norm(q, lw.q_norm, cfg.rms_eps)
-            k = rms_norm(k, lw.k_norm, cfg.rms_eps)
         theta, pos_scale = cfg.layer_rope(i)
-        q = rope(q, positions, theta, cfg.rope_interleaved, pos_scale)
-        k = rope(k, positions, theta, cfg.rope_interleaved, pos_scale)
         window = cfg.layer_window(i)
         extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
-        if append:  # the kernel writes the step's K/V into the cache and attends, in one call
-            o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2)[:, 0], cache.k[i], cache.v[i], start + 1,
-                             scale=scale, append=True, **extra)
+        if prologue and lw.bqkv is None and lw.qkv_groups == 1:
+            if (theta, pos_scale) not in rope_of:
+                rope_of[theta, pos_scale] = rope_tables(positions[:, 0], hd, theta, pos_scale)
+            o, kc, vc = _prologue_attend(cfg, kernels, attn, lw, x, cache.k[i], cache.v[i], start,
+                                         rope_of[theta, pos_scale], scale, extra)
             o = o[:, None]
-        elif append_rows or (tree_rows_anc is not None and window is None):
-            # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window; a tree's node t sits at
-            # slot start + t (its position is its depth's) and sees the window keys of its ancestors
-            slots = positions if tree is None else start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-            lens, rows = _decode_rows(slots)
-            anc = {} if tree is None else {"window_anc": tree_rows_anc}
-            o, kc, vc = ops.get("attention_decode", kernels.attention_decode)(
-                jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i], cache.v[i], lens,
-                rows, scale=scale, append=True, window_rows=t, **extra, **anc, **out_rows)
-            o = o.reshape(n_rows, hq, hd) if out_rows else o.reshape(b, t, hq, hd)
         else:
-            kc, vc = _write_kv(cache.k[i], k, start), _write_kv(cache.v[i], v, start)
-            o = _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra, decode, as_decode,
-                        tree_as_decode, tree_extra)
+            qkv = unpad(normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels))
+            q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
+            q, k, v = q.reshape(b, t, hq, hd), k.reshape(b, t, hkv, hd), v.reshape(b, t, hkv, hd)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, cfg.rms_eps)
+                k = rms_norm(k, lw.k_norm, cfg.rms_eps)
+            q = rope(q, positions, theta, cfg.rope_interleaved, pos_scale)
+            k = rope(k, positions, theta, cfg.rope_interleaved, pos_scale)
+            if append:  # the kernel writes the step's K/V into the cache and attends, in one call
+                o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2)[:, 0], cache.k[i], cache.v[i], start + 1,
+                                 scale=scale, append=True, **extra)
+                o = o[:, None]
+            elif append_rows or (tree_rows_anc is not None and window is None):
+                # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window; a tree's node t sits at
+                # slot start + t (its position is its depth's) and sees the window keys of its ancestors
+                slots = positions if tree is None else start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+                lens, rows = _decode_rows(slots)
+                anc = {} if tree is None else {"window_anc": tree_rows_anc}
+                o, kc, vc = ops.get("attention_decode", kernels.attention_decode)(
+                    jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i], cache.v[i], lens,
+                    rows, scale=scale, append=True, window_rows=t, **extra, **anc, **out_rows)
+                o = o.reshape(n_rows, hq, hd) if out_rows else o.reshape(b, t, hq, hd)
+            else:
+                kc, vc = _write_kv(cache.k[i], k, start), _write_kv(cache.v[i], v, start)
+                o = _attend(kernels, attn, q, k, v, kc, vc, start, positions, tree, scale, extra, decode, as_decode,
+                            tree_as_decode, tree_extra)
         new_k.append(kc)
         new_v.append(vc)
         o = linear(o.reshape(n_rows, hq * hd) if o.ndim == 3 else pad(o.reshape(b, t, hq * hd)),  # 3: out_rows

@@ -277,6 +277,25 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     return y
 
 
+def linear_parts(x: jax.Array, w, kernels=None) -> tuple:
+    """x [M, K] @ w as a tuple of arrays [P, R, N] (R >= M; rows from M on are padding) whose sum over every P is
+    the product before `linear`'s cast to x's dtype: a kernel that takes `parts` hands over its split-K partial
+    sums as it wrote them (no kernel runs to add them; a consumer that can, `qkv_prologue`, adds them on its loads),
+    any other weight or kernel the product itself as one part."""
+    from . import ops
+
+    op, name = None, None
+    if isinstance(w, QuantArray):
+        op, name = "qmatmul", kernels.qmatmul if kernels is not None else None
+    elif isinstance(w, Int8Array):
+        op, name = "qmatmul8", kernels.qmatmul8 if kernels is not None else None
+    elif hasattr(w, "prepared_by"):
+        op, name = w.matmul_op, w.prepared_by
+    if op is not None and not ROW_INVARIANT and ops.accepts(op, name or ops.default_name(op), "parts"):
+        return tuple(ops.get(op, name)(x, w, parts=True))
+    return (linear(x, w, kernels=kernels)[None],)
+
+
 def weight_nbytes(tree) -> int:
     """Bytes of every weight leaf in a pytree (what one decode step must read)."""
     total = 0
@@ -302,5 +321,6 @@ __all__ = [
     "int4_as_int8",
     "concat_n",
     "linear",
+    "linear_parts",
     "weight_nbytes",
 ]

@@ -67,10 +67,55 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _prologue(q_ref, pro_refs, b, h, hq, hkv, g, bh, rmask, d, *, pro, dt):
+    """`prologue` (the wrapper's docstring): this program's q heads [bh, D], its kv head's new key and value [1, D],
+    from the qkv partials. RoPE as x * C + x[partner] * S with full-width tables (C = cos, S = -sin on a pair's
+    first column and sin on its second): the partner columns come from a second, gathered load of the same rows."""
+    n_parts, has_r, has_norm, eps, inter, width = pro
+    f32 = jnp.float32
+    it = iter(pro_refs)
+    part_refs = [q_ref] + [next(it) for _ in n_parts[1:]]
+    r_ref = next(it) if has_r else None
+    cos_ref, sin_ref = next(it), next(it)
+    qn_ref, kn_ref = (next(it), next(it)) if has_norm else (None, None)
+    col = jnp.arange(d)
+    partner = (col ^ 1) if inter else jnp.where(col < d // 2, col + d // 2, col - d // 2)
+
+    def summed(h0, n, mask, cols):  # the product's rows as the model's linear returns them (cast, then row-scaled)
+        at = (pl.ds(h0, n), slice(None)) if cols is None else (h0 + jnp.arange(n)[:, None], cols[None, :])
+        acc, masked = None, {} if mask is None else dict(mask=mask, other=0)
+        for ref, count in zip(part_refs, n_parts):
+            for p in range(count):
+                x = plgpu.load(ref.at[(jnp.int32(p), b) + at], **masked).astype(f32)
+                acc = x if acc is None else acc + x
+        y = acc.astype(dt)
+        if has_r:  # the attention norm's scale, rsqrt(mean(x^2) + eps), from the row's sum of squares
+            r = lax.rsqrt(plgpu.load(r_ref.at[pl.ds(b, 1)]) / width + eps)
+            y = (y.astype(f32) * r[:, None]).astype(dt)
+        return y.astype(f32)
+
+    def roped(h0, n, mask, n_ref):
+        x, xp = summed(h0, n, mask, None), summed(h0, n, mask, partner)
+        if has_norm:  # (x * rsqrt(mean(x^2) + eps)) * w, float32, cast; the partner columns by the same row scale
+            inv = lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)[:, None]
+            x = (x * inv * plgpu.load(n_ref)[None, :]).astype(dt).astype(f32)
+            xp = (xp * inv * plgpu.load(n_ref.at[partner])[None, :]).astype(dt).astype(f32)
+        cs, sn = plgpu.load(cos_ref.at[pl.ds(b, 1), :]), plgpu.load(sin_ref.at[pl.ds(b, 1), :])  # [1, D]
+        return (x * cs + xp * sn).astype(dt)
+
+    q = roped(h * g, bh, rmask[:, None], qn_ref)
+    k_new = roped(hq + h, 1, None, kn_ref)
+    v_new = summed(hq + hkv + h, 1, None, None).astype(dt)
+    return q, k_new, v_new
+
+
 def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows, append, win_rows,
-            sliding=0):
+            sliding=0, pro=None):
     row_ref, refs = (refs[0], refs[1:]) if has_rows else (None, refs)
     q_ref, k_ref, v_ref, *refs = refs
+    if pro:  # the qkv partials' other arrays, the row scale, the RoPE tables and the head norms
+        n_pro = len(pro[0]) - 1 + pro[1] + 2 + 2 * pro[2]
+        pro_refs, refs = refs[:n_pro], refs[n_pro:]
     if append:  # q_ref [B, Hq + 2 Hkv, D]; the aliased caches are the last two outputs
         *refs, ko_ref, vo_ref = refs
     win_ref, out_refs = (refs[0], refs[1:]) if nw else (None, refs)
@@ -97,6 +142,9 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
     d = q_ref.shape[-1]
     if append:
         hq, hkv = k_ref.shape[1] * g, k_ref.shape[1]
+    if pro:
+        q, k_new, v_new = _prologue(q_ref, pro_refs, b, h, hq, hkv, g, bh, rmask, d, pro=pro, dt=k_ref.dtype)
+    elif append:
         q = plgpu.load(q_ref.at[b, pl.ds(h * g, bh), :], mask=rmask[:, None], other=0)
     else:
         q = plgpu.load(q_ref.at[b, h, pl.ds(0, bh), :], mask=rmask[:, None], other=0)
@@ -107,8 +155,9 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
     if append:  # placed as lax.dynamic_update_slice places it: a negative start counts from the end, then clamps
         slot = len_ref[b] - 1
         slot = wstart + t if win_rows else jnp.clip(jnp.where(slot < 0, slot + seq, slot), 0, seq - 1)
-        k_new = plgpu.load(q_ref.at[b, pl.ds(hq + h, 1), :]).astype(k_ref.dtype)  # [1, D]
-        v_new = plgpu.load(q_ref.at[b, pl.ds(hq + hkv + h, 1), :]).astype(v_ref.dtype)
+        if not pro:
+            k_new = plgpu.load(q_ref.at[b, pl.ds(hq + h, 1), :]).astype(k_ref.dtype)  # [1, D]
+            v_new = plgpu.load(q_ref.at[b, pl.ds(hq + hkv + h, 1), :]).astype(v_ref.dtype)
 
     def body(i, carry):
         acc, m_i, l_i = carry
@@ -244,13 +293,15 @@ def env_overrides() -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
-                     "row_invariant", "partials", "combine", "append", "window_rows", "out_rows", "pack", "sliding"),
+                     "row_invariant", "partials", "combine", "append", "window_rows", "out_rows", "pack", "sliding",
+                     "prologue_eps", "prologue_dim", "rope_interleaved"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
     row_invariant: bool = False, partials: bool = False, combine: str = "xla", append: bool = False,
-    window_rows: int = 0, out_rows: int = 0, pack: bool = False, sliding: int = 0,
+    window_rows: int = 0, out_rows: int = 0, pack: bool = False, sliding: int = 0, prologue: dict | None = None,
+    prologue_eps: float = 0.0, prologue_dim: int = 0, rope_interleaved: bool = False,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -274,9 +325,28 @@ def attention_decode(
     pack=True (with window_rows): one program a window and kv head instead of one a row (`attention_window.py`): the
     prefix is read once for the window's T positions; n_split is then chosen for B / T windows.
     sliding=W > 0 (a sliding-window layer, Gemma's): the row at position p sees keys p - W + 1 .. p only, p =
-    lengths[b] - 1 (its window's own keys, with window_rows, all nearer than W); not with win_mask or pack."""
+    lengths[b] - 1 (its window's own keys, with window_rows, all nearer than W); not with win_mask or pack.
+    prologue (a decode step with append, no rows): q is the qkv matmul's partial sums [P, R, Hq + 2 Hkv, D] (R >= B
+    rows, B = len(lengths)), and the dict holds `parts` (more such arrays, a tuple), `row_sumsq` [R] or None, `cos`,
+    `sin` [B, D] (full-width tables: `lucebox_jax.qkv_prologue.full_tables`) and `q_norm`, `k_norm` [D] or None:
+    the kernel sums the partials, scales each row by its attention norm (rsqrt(row_sumsq / `prologue_dim` + eps),
+    the model's width and eps `prologue_eps`), norms each head (same eps) and rotates it (pairs (i, i +
+    D/2), or (2i, 2i + 1) with `rope_interleaved`), rounding to the caches' dtype where `QKVPrologue.apply` does."""
     _, hkv, seq, _ = k.shape
-    bsz, hq, d = q.shape
+    pro, pro_args, out_dtype = None, [], q.dtype
+    if prologue is not None:
+        assert append and rows is None and not (partials or pack or win_mask is not None), "prologue: decode steps"
+        more = tuple(prologue.get("parts", ()))
+        has_r, has_norm = prologue.get("row_sumsq") is not None, prologue.get("q_norm") is not None
+        pro = ((q.shape[0],) + tuple(p.shape[0] for p in more), has_r, has_norm, float(prologue_eps),
+               bool(rope_interleaved), int(prologue_dim))
+        pro_args = [*more, *([prologue["row_sumsq"].astype(jnp.float32)] if has_r else []),
+                    prologue["cos"].astype(jnp.float32), prologue["sin"].astype(jnp.float32),
+                    *([prologue["q_norm"], prologue["k_norm"]] if has_norm else [])]
+        out_dtype = k.dtype
+        bsz, hq, d = lengths.shape[0], q.shape[2], q.shape[3]
+    else:
+        bsz, hq, d = q.shape
     hq -= 2 * hkv if append else 0
     g = hq // hkv
     assert g * hkv == hq and d & (d - 1) == 0, (q.shape, k.shape)
@@ -310,10 +380,10 @@ def attention_decode(
         kern = functools.partial(
             _kernel, g=g, bh=bh, bk=bk, chunk=chunk, seq=seq, qk_scale=scale * _LOG2E, n_split=n_split,
             partials=partials, nw=nw, has_rows=rows is not None, append=append, win_rows=window_rows,
-            sliding=sliding,
+            sliding=sliding, pro=pro,
         )
     if n_split == 1 and not partials:
-        out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), q.dtype)]
+        out_shape = [jax.ShapeDtypeStruct((bsz, hkv, g, d), out_dtype)]
     else:
         out_shape = [
             jax.ShapeDtypeStruct((bsz, hkv, n_split, g, d), jnp.float32),
@@ -335,9 +405,10 @@ def attention_decode(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="attention_decode",
-    )(lengths, *row_arg, qg, k, v, *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
+    )(lengths, *row_arg, qg, k, v, *pro_args,
+      *([] if win_mask is None else [win_mask.astype(jnp.int32).reshape(bsz, hkv, g, nw)]))
     assert not (partials and out_rows > bsz), "out_rows is for a finished output"
-    merge = functools.partial(_merge_splits, q=q, bsz=bsz, hq=hq, d=d, n_split=n_split, partials=partials,
+    merge = functools.partial(_merge_splits, dtype=out_dtype, bsz=bsz, hq=hq, d=d, n_split=n_split, partials=partials,
                               row_invariant=row_invariant, combine=combine, interpret=interpret,
                               out_rows=max(out_rows, bsz))
     if append:
@@ -346,7 +417,7 @@ def attention_decode(
     return merge(outs)
 
 
-def _merge_splits(outs, *, q, bsz, hq, d, n_split, partials, row_invariant, combine, interpret, out_rows):
+def _merge_splits(outs, *, dtype, bsz, hq, d, n_split, partials, row_invariant, combine, interpret, out_rows):
     """The kernel's outputs -> the attention output: as they are (one split), or the splits merged; out_rows rows,
     zero past bsz (by the combine kernel, else a pad)."""
     hkv = outs[0].shape[1]
@@ -358,7 +429,7 @@ def _merge_splits(outs, *, q, bsz, hq, d, n_split, partials, row_invariant, comb
     if combine == "kernel" and not (partials or row_invariant):
         out = pl.pallas_call(
             functools.partial(_combine_kernel, n_split=n_split, nsp=_next_pow2(n_split), bsz=bsz),
-            out_shape=jax.ShapeDtypeStruct((out_rows, hkv, g, d), q.dtype),
+            out_shape=jax.ShapeDtypeStruct((out_rows, hkv, g, d), dtype),
             grid=(out_rows, hkv, g),
             compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
             interpret=interpret,
@@ -374,7 +445,7 @@ def _merge_splits(outs, *, q, bsz, hq, d, n_split, partials, row_invariant, comb
     if partials:
         return o_tot.reshape(bsz, hq, d), m_max[:, :, 0].reshape(bsz, hq), l_tot.reshape(bsz, hq)
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
-    return pad(out.reshape(bsz, hq, d).astype(q.dtype))
+    return pad(out.reshape(bsz, hq, d).astype(dtype))
 
 
 def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float, sliding: int = 0):
@@ -403,7 +474,7 @@ def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale
     invariant = overrides.get("row_invariant", False)
     pack = (PACK_WINDOWS == "1" or (PACK_WINDOWS != "0" and q.shape[-1] >= PACK_MIN_HEAD_DIM)) and append \
         and window_rows > 0 and not invariant and not sliding
-    cfg = default_config(q.shape[0], k.shape[1], k.shape[2], q.shape[-1], invariant, mapped_rows=rows is not None,
+    cfg = default_config(lengths.shape[0], k.shape[1], k.shape[2], q.shape[-1], invariant, mapped_rows=rows is not None,
                          packed=pack)
     if pack and math.prod(packed_tiles(window_rows, q.shape[1] // k.shape[1] - 2)) >= 128:
         cfg["num_warps"] = 8  # (a [128+, D] float32 accumulator: 8 warps hold it without spilling)

@@ -404,14 +404,14 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
     jax.jit,
     static_argnames=(
         "group_size", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "mode", "decode",
-        "interpret", "min_programs", "scales_mode", "reduce",
+        "interpret", "min_programs", "scales_mode", "reduce", "parts",
     ),
 )
 def int4_matmul(
     x, codes, scales, mins=None, *, group_size: int, block_m: int | None = None, block_n: int = 128,
     block_k: int = 32, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, mode: str = "dot",
     decode: str = "f32", interpret: bool = False, min_programs: int = 528, scales_mode: str = "tile",
-    reduce: str = "xla",
+    reduce: str = "xla", parts: bool = False,
 ):
     """x [M, K] @ int4 W (codes uint8 [K/2, N], scales/mins float16 [K/g, N]) -> [M, N] in x.dtype.
 
@@ -422,7 +422,9 @@ def int4_matmul(
     (block_k > g only): "tile" (one [block_k/g, block_n] scale load per step, broadcast in registers) | "gather"
     (per-row gathered loads);
     reduce (split_k > 1): "xla" (float32 partials [split_k, M, N] summed by XLA) | "atomic" (float32 atomic adds
-    into one zeroed [M, N] buffer, then one cast)."""
+    into one zeroed [M, N] buffer, then one cast);
+    parts=True: a tuple of arrays [P, M, N] whose sum over P is the product before its cast (split-K's float32
+    partials as the kernel wrote them; `quant.linear_parts`)."""
     m, k = x.shape
     k_half, n = codes.shape
     g = group_size
@@ -476,9 +478,11 @@ def int4_matmul(
     )(*args)
     if atomic:
         out = out[:m, :n]
+    elif out_partial and parts and reduce == "xla":
+        return (out,)
     elif out_partial:
         out = ordered_sum(out) if reduce == "ordered" else jnp.sum(out, axis=0)
-    return out.astype(x.dtype)
+    return (out[None],) if parts else out.astype(x.dtype)
 
 
 def int4_matmul_reference(x, codes, scales, mins=None, *, group_size: int):
@@ -502,9 +506,10 @@ def row_invariant_config(cfg: dict, n_tiles: int, n: int) -> dict:
     return cfg
 
 
-def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, **overrides):
+def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, parts: bool = False,
+                   **overrides):
     """Registry-shaped entry point: x [M, K] @ QuantArray -> [M, N] (x.dtype). row_invariant: one configuration
-    for every M (`row_invariant_config`)."""
+    for every M (`row_invariant_config`); parts: the product as partial sums (`int4_matmul`)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
@@ -519,4 +524,4 @@ def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool =
         cfg["block_k"] //= 2
     if row_invariant:
         cfg = row_invariant_config(cfg, (k // 2) // cfg["block_k"], n)
-    return int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=interpret, **cfg)
+    return int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=interpret, parts=parts, **cfg)

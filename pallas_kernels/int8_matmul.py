@@ -81,11 +81,11 @@ def default_config(m: int, k: int, n: int, group_size: int) -> dict:
 @functools.partial(
     jax.jit,
     static_argnames=("group_size", "block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages",
-                     "interpret", "min_programs", "reduce"),
+                     "interpret", "min_programs", "reduce", "parts"),
 )
 def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None, block_n: int = 128,
                 block_k: int = 64, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4,
-                interpret: bool = False, min_programs: int = 264, reduce: str = "xla"):
+                interpret: bool = False, min_programs: int = 264, reduce: str = "xla", parts: bool = False):
     """x [M, K] @ int8 W (codes int8 [K, N], scales float16/float32 [K/g, N]) -> [M, N] in x.dtype.
 
     block_k: rows per loop step, a multiple of group_size dividing K; group_size >= 16 (a tensor-core dot per
@@ -114,6 +114,9 @@ def int8_matmul(x, codes, scales, *, group_size: int, block_m: int | None = None
         interpret=interpret,
         name="int8_matmul",
     )(x, codes, scales)
+    if parts:  # (as int4_matmul's: the partials, or the product as one part)
+        return (out,) if out_partial and reduce == "xla" else (
+            (ordered_sum(out) if out_partial else out)[None],)
     if out_partial:
         out = ordered_sum(out) if reduce == "ordered" else jnp.sum(out, axis=0)
     return out.astype(x.dtype)
@@ -134,10 +137,12 @@ def mins_term(x, mins, group_size: int):
     return jnp.dot(xs, mins.astype(jnp.float32), precision=lax.Precision.HIGHEST)
 
 
-def qmatmul8_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, **overrides):
+def qmatmul8_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, parts: bool = False,
+                    **overrides):
     """Registry-shaped entry point: x [M, K] @ Int8Array -> [M, N] (x.dtype); mins through `mins_term`.
     row_invariant: one configuration for every M (16-row tiles, the split-K of one row block, ordered sum), so a
-    row's result does not depend on M (weights without mins; `mins_term` is an XLA dot)."""
+    row's result does not depend on M (weights without mins; `mins_term` is an XLA dot). parts: the product as
+    partial sums (`int8_matmul`), the mins term one more part."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     m, k = x.shape
@@ -150,7 +155,9 @@ def qmatmul8_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool 
         split = split_plan(k // cfg["block_k"], _cdiv(n, cfg["block_n"]), cfg.get("split_k"),
                            cfg.get("min_programs", 264))[0]
         cfg.update(block_m=16, split_k=split, reduce="ordered")
-    y = int8_matmul(x, w.codes, w.scales, group_size=w.group_size, interpret=interpret, **cfg)
+    y = int8_matmul(x, w.codes, w.scales, group_size=w.group_size, interpret=interpret, parts=parts, **cfg)
+    if parts:
+        return y if w.mins is None else y + (mins_term(x, w.mins, w.group_size)[None],)
     if w.mins is None:
         return y
     return (y.astype(jnp.float32) + mins_term(x, w.mins, w.group_size)).astype(x.dtype)

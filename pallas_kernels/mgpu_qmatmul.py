@@ -387,8 +387,11 @@ def _same_kernel_same_name() -> None:
 
 
 def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, num_sms: int = 132,
-                interpret: bool = False) -> jax.Array:
-    """x [M, K] (bf16) @ w -> [M, N] in x.dtype, on a Hopper GPU (Mosaic GPU)."""
+                interpret: bool = False, parts: bool = False):
+    """x [M, K] (bf16) @ w -> [M, N] in x.dtype, on a Hopper GPU (Mosaic GPU).
+    parts=True: a tuple of arrays [P, R, N] (R >= M rows; rows past M are not the product's) whose sum over P is
+    the product before its cast: split-K's float32 partials as the kernel wrote them, else the product as one part
+    (`quant.linear_parts`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -414,8 +417,8 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     stream = cfg.stream_k
     if stream:  # (split_k is 1: steps_per_split is a tile's K steps)
         per_cta, stream_ctas, written = stream_plan(n_tiles * t_tiles, steps_per_split, num_sms * cfg.ctas_per_sm)
-    parts = written.shape[0] if stream else splits  # float32 partial sums per output element
-    out_dtype = jnp.float32 if parts > 1 else jnp.bfloat16
+    want_parts, n_parts = parts, written.shape[0] if stream else splits  # float32 partial sums per output element
+    out_dtype = jnp.float32 if n_parts > 1 else jnp.bfloat16
     # On the GPU x [M, K] goes in as it is and the output comes out token-major, [M, N]: a token tile reaching past M
     # reads zeros (TMA fills rows out of bounds) and its writes past row M are dropped. A decode step then runs no pad,
     # transpose or slice kernel around each matmul (4 pads per layer, 1.5-2.2 us each on the H200), and split-K
@@ -552,7 +555,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
             out_smem.at[wg].transpose((1, 0))[...] = plgpu.layout_cast(acc.astype(out_dtype),
                                                                       plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
-            dst = out_gmem.at[slot] if parts > 1 else out_gmem
+            dst = out_gmem.at[slot] if n_parts > 1 else out_gmem
             plgpu.copy_smem_to_gmem(out_smem.at[wg], dst.at[pl.ds(t_idx * tt, tt), pl.ds(n_idx * cta_m, cta_m)]
                                     .at[:, pl.ds(wg * tm, tm)])
 
@@ -633,7 +636,7 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    out_shape = (parts, xr, n) if parts > 1 else (xr, n)
+    out_shape = (n_parts, xr, n) if n_parts > 1 else (xr, n)
     f = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct(out_shape, out_dtype),
@@ -653,11 +656,13 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     )
     args = (xp, w.codes, w.scales) + ((w.offsets,) if asym else ())
     out = f(*args)
-    if stream and parts > 1:
+    if want_parts and n_parts > 1 and not stream:
+        return (out,)
+    if stream and n_parts > 1:
         out = sum_stream_parts(out, written, tt, cta_m)
-    elif parts > 1:
+    elif n_parts > 1:
         out = out.sum(axis=0)
-    return out[:m].astype(x.dtype)
+    return (out[None],) if want_parts else out[:m].astype(x.dtype)
 
 
 def token_tile(m: int, g: int) -> int:

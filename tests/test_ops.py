@@ -86,11 +86,14 @@ def test_short_verify_attends_as_decode_rows_and_kernels_without_rows_still_serv
     assert seen == []  # a longer verify stays with attention_prefill
 
 
-def test_decode_kernel_that_appends_kv_gives_the_written_then_attended_step():
+def test_decode_kernel_that_appends_kv_gives_the_written_then_attended_step(monkeypatch):
     """A decode step with the Pallas decode kernel (interpret mode) appending the step's own K/V (`append`, the
     default) gives bitwise the logits and cache of the step that writes the cache first (model.APPEND_KV = False):
-    batch 1 and 3 rows at ragged starts, in a jitted step with the cache donated, as the engine runs it."""
+    batch 1 and 3 rows at ragged starts, in a jitted step with the cache donated, as the engine runs it. (XLA
+    makes q, k, v here: the kernel's own prologue rounds otherwise, `test_qkv_prologue_*`.)"""
     from lucebox_jax import model
+
+    monkeypatch.setattr(model, "QKV_PROLOGUE", False)
 
     assert ops.accepts("attention_decode", "pallas", "append")
     cfg = PRESETS["tiny"]

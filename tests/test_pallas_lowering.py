@@ -140,6 +140,24 @@ def test_attention_decode_lowers(b, hq, hkv, s, d, combine):
     assert txt.count("xla.gpu.triton") == (2 if combine == "kernel" else 1)  # the combine: a second kernel
 
 
+@pytest.mark.parametrize("b,hq,hkv,s,d,parts,inter", [(1, 9, 3, 8192, 64, (9,), True), (8, 32, 8, 4096, 128, (6,), False),
+                                                  (1, 4, 1, 1024, 256, (4, 1), False)])
+def test_attention_decode_with_the_qkv_prologue_lowers(b, hq, hkv, s, d, parts, inter):
+    """The kernel summing qkv partials, norming and rotating on its loads (`prologue`; its partner columns a
+    gathered load): one Triton kernel and the split merge, the caches aliased through."""
+    ps = [SDS((p, b, hq + 2 * hkv, d), jnp.float32) for p in parts]
+    args = (*ps, SDS((b, hkv, s, d), jnp.bfloat16), SDS((b, hkv, s, d), jnp.bfloat16), SDS((b,), jnp.int32),
+            SDS((b,), jnp.float32), SDS((b, d), jnp.float32), SDS((b, d), jnp.float32), SDS((d,), jnp.float32),
+            SDS((d,), jnp.float32))
+
+    def fn(*a):
+        *ps, k, v, n, ss, cos, sin, qn, kn = a
+        pro = dict(parts=tuple(ps[1:]), row_sumsq=ss, cos=cos, sin=sin, q_norm=qn, k_norm=kn)
+        return attention_decode_pallas(ps[0], k, v, n, scale=d ** -0.5, interpret=False, append=True, prologue=pro,
+                                       prologue_eps=1e-6, prologue_dim=2048, rope_interleaved=inter)
+    assert lower_cuda(fn, *args).count("xla.gpu.triton") == 2
+
+
 @pytest.mark.parametrize("in_cache", [False, True])
 @pytest.mark.parametrize("b,t,hq,hkv,s,d", [(1, 33, 9, 3, 2048, 64), (1, 33, 32, 8, 2048, 128),
                                             (4, 9, 32, 8, 4096, 128), (1, 17, 9, 3, 512, 64)])
