@@ -154,6 +154,8 @@ VARIANTS = {  # how the step is built, beside its kernels (--variants): what the
     "write_kv_first": "the step's K/V written to the cache by XLA before the attention kernel (2 kernels more a "
                       "layer; the engine's decode kernel appends them itself)",
     "attn_combine_xla": "the decode attention's splits merged by XLA fusions (LUCEBOX_ATTN_COMBINE=xla)",
+    "xla_prologue": "q, k, v summed, normed and rotated by XLA fusions before the attention kernel "
+                    "(LUCEBOX_QKV_PROLOGUE=0; the engine's decode kernel does it on its loads)",
     "check4": "the loop's condition read every 4 steps, not every step (generate_loop(steps_per_check=4): no "
               "predicate copied to the host inside; 1 step past the 127 timed runs)",
     "attn=SPEC": "the decode attention's knobs (LUCEBOX_ATTN_DECODE with + for commas, e.g. "
@@ -172,6 +174,8 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
     jax.clear_caches()  # the switches below are read when the step is traced: each variant traces afresh
     model_mod.DEFER_ONE_ROW_NORM = variant != "norm_first"
     model_mod.APPEND_KV = variant != "write_kv_first"
+    qkv_prologue = model_mod.QKV_PROLOGUE
+    model_mod.QKV_PROLOGUE = qkv_prologue and variant != "xla_prologue"
     old_combine = os.environ.get("LUCEBOX_ATTN_COMBINE")
     if variant == "attn_combine_xla":
         os.environ["LUCEBOX_ATTN_COMBINE"] = "xla"
@@ -182,6 +186,7 @@ def bench_model(name, cfg, weights, kernels: KernelSet, batch: int, ctx: int, n_
         return _bench_model(name, cfg, weights, kernels, batch, ctx, n_tokens, reps, profile, variant)
     finally:
         model_mod.DEFER_ONE_ROW_NORM = model_mod.APPEND_KV = True
+        model_mod.QKV_PROLOGUE = qkv_prologue
         for key, old in (("LUCEBOX_ATTN_COMBINE", old_combine), ("LUCEBOX_ATTN_DECODE", old_attn)):
             if old is None:
                 os.environ.pop(key, None)
