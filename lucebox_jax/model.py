@@ -112,6 +112,9 @@ APPEND_KV = True
 # ... and, where the kernel takes `prologue`, the step's qkv partial sums as the matmul wrote them, summed, normed and
 # rotated by the attention kernel on its loads (qkv_prologue.py; LUCEBOX_QKV_PROLOGUE=0: by XLA first, the A/B)
 QKV_PROLOGUE = os.environ.get("LUCEBOX_QKV_PROLOGUE", "1") != "0"
+# ... in steps of up to this many rows, or any with q/k norms (H100, 2026-12-07: the embedded shapes 0.757 ->
+# 0.741-0.747 ms at batch 1 but 1.178 -> 1.189-1.200 at 32; Gemma 3 270M 0.913 -> 0.820 at 1, 0.907 -> 0.866-0.878 at 8)
+QKV_PROLOGUE_ROWS = 16
 # ... and a short verify's window (LUCEBOX_VERIFY_APPEND=0 writes it first: A/B in benchmarks)
 APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
 # ... and a tree verify of at most `tree_rows_limit` rows (nodes and root), as decode rows with its ancestors as bits:
@@ -343,7 +346,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         theta, pos_scale = cfg.layer_rope(i)
         window = cfg.layer_window(i)
         extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
-        if prologue and lw.bqkv is None and lw.qkv_groups == 1:
+        if prologue and lw.bqkv is None and lw.qkv_groups == 1 and (b <= QKV_PROLOGUE_ROWS or lw.q_norm is not None):
             if (theta, pos_scale) not in rope_of:
                 rope_of[theta, pos_scale] = rope_tables(positions[:, 0], hd, theta, pos_scale)
             o, kc, vc = _prologue_attend(cfg, kernels, attn, lw, x, cache.k[i], cache.v[i], start,
