@@ -211,7 +211,7 @@ def bench_synthetic(args):
     from lucebox_jax.ops import KernelSet
     from lucebox_jax.sampling import RowParams, SamplingParams
     from lucebox_jax.speculative import _verify, expected_tokens
-    from lucebox_jax.synthetic import PRESETS, random_weights
+    from lucebox_jax.synthetic import PRESETS, decode_matmuls, random_weights
 
     dtype = "float32" if jax.default_backend() == "cpu" else "bfloat16"
     cfg = PRESETS[args.syn_preset].replace(dtype=dtype)
@@ -219,7 +219,9 @@ def bench_synthetic(args):
 
     kernels = KernelSet.resolve(args.syn_kernels)
     # repacked once for kernels that prepare weights (mgpu/best): unprepared weights would run their fallback
-    w = ops.prepare_weights(random_weights(cfg, jax.random.key(0), group_size=128 if cfg.dim >= 128 else 32), kernels)
+    # g128 where every K divides (the 8B shapes), else g32 (the embedded shapes' K = 576 and 1536: a Q4_1 file's)
+    g = 128 if all(k % 256 == 0 for _, k, _ in decode_matmuls(cfg)) else 32
+    w = ops.prepare_weights(random_weights(cfg, jax.random.key(0), group_size=g), kernels)
     ctx, s_len, reps = args.context, 2 * args.context, args.syn_reps
     rp = RowParams.from_params([SamplingParams(temperature=0)])
     seen = jnp.zeros((1, cfg.vocab_size), bool)
