@@ -30,7 +30,7 @@ _GPU_DEFAULT = {"qmatmul": True, "qmatmul8": True, "attention_decode": True, "at
 _PALLAS_MAX_M = 64
 
 try:
-    from pallas_kernels.attention_decode import attention_decode_pallas, packs_window
+    from pallas_kernels.attention_decode import attention_decode_pallas
     from pallas_kernels.attention_prefill import attention_prefill_pallas
     from pallas_kernels.attention_tree import ancestor_words, attention_tree
     from pallas_kernels.int4_matmul import qmatmul_pallas
@@ -86,23 +86,16 @@ else:
         # a sliding window (Gemma's local layers) runs in the kernel for decode rows and a chain's window, not a
         # tree's nodes (their positions are their depths, not their slots: those go to XLA)
         sliding = window if SLIDING and _windowed(k, window) and window_anc is None and window_rows <= window else 0
-        if prologue is not None:  # q: the qkv matmul's partial sums (a tuple), the rest done in the kernel ...
+        if prologue is not None:  # q: the qkv matmul's partial sums (a tuple), the rest done in the kernel
             d = q[0].shape[-1]
-            if (not _pow2(d) or (_windowed(k, window) and not sliding)
-                    or packs_window(d, append, window_rows, _invariant(), sliding)):
-                q, prologue = prologue.apply(q), None  # ... or in jnp where the kernel cannot, then as without it
-        if prologue is not None:
-            win_mask = None
-            if window_anc is not None:
-                words = ancestor_words(window_anc)
-                win_mask = jnp.broadcast_to(words[:, None], (words.shape[0], prologue.n_heads, words.shape[1]))
-            cos, sin = full_tables(prologue.cos, prologue.sin, prologue.interleaved)
-            args = dict(parts=q[1:], row_sumsq=prologue.row_sumsq, cos=cos, sin=sin, q_norm=prologue.q_norm,
-                        k_norm=prologue.k_norm)
-            return attention_decode_pallas(q[0], k, v, lengths, rows, win_mask, append=True, window_rows=window_rows,
-                                           out_rows=out_rows, sliding=sliding, scale=scale, interpret=_interpret(),
-                                           prologue=args, prologue_eps=prologue.eps, prologue_dim=prologue.width,
-                                           rope_interleaved=prologue.interleaved)
+            if _pow2(d) and not (_windowed(k, window) and not sliding):
+                cos, sin = full_tables(prologue.cos, prologue.sin, prologue.interleaved)
+                args = dict(parts=q[1:], row_sumsq=prologue.row_sumsq, cos=cos, sin=sin, q_norm=prologue.q_norm,
+                            k_norm=prologue.k_norm)
+                return attention_decode_pallas(q[0], k, v, lengths, append=True, sliding=sliding, scale=scale,
+                                               interpret=_interpret(), prologue=args, prologue_eps=prologue.eps,
+                                               prologue_dim=prologue.width, rope_interleaved=prologue.interleaved)
+            q = prologue.apply(q)  # in jnp, then as any decode step
         if not _pow2(q.shape[-1]) or (_windowed(k, window) and not sliding):
             if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
                 o, k, v = kernels_xla.tree_rows_xla(q, k, v, lengths, window_anc, window_rows, scale=scale)

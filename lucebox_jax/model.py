@@ -199,10 +199,10 @@ def rope(x, positions, theta, interleaved, pos_scale=1.0):
     return rotate(x, cos[:, :, None], sin[:, :, None], interleaved)
 
 
-def _prologue_qkv(cfg, kernels, lw, x, tables):
-    """The qkv matmul's partial sums as written and the `QKVPrologue` that makes q, k, v of them (the attention norm,
-    its row scale deferred as `normed_linear` defers it, the head norms, RoPE by the rows' tables (cos, sin) [rows,
-    hd/2]), for an attention kernel that takes `prologue`."""
+def _prologue_attend(cfg, kernels, attn, lw, x, kc, vc, start, tables, scale, extra):
+    """A decode step's attention with the kernel doing what lies between the qkv matmul and it (`QKVPrologue`):
+    the attention norm (its row scale deferred as `normed_linear` defers it), the matmul's partial sums as written,
+    and the RoPE tables (cos, sin) [B, hd/2] of the layer. -> (out [B, Hq, hd], k cache, v cache)."""
     xr = x.reshape(-1, x.shape[-1])
     if one_deferred_row(x):  # (rms_norm_deferred's h and, for its scale, the sum of squares its mean divides)
         xf = xr.astype(jnp.float32)
@@ -211,8 +211,9 @@ def _prologue_qkv(cfg, kernels, lw, x, tables):
         h, ss = rms_norm(xr, lw.attn_norm, cfg.rms_eps), None
     heads = cfg.n_heads + 2 * cfg.n_kv_heads
     parts = tuple(p.reshape(*p.shape[:2], heads, cfg.head_dim) for p in quant.linear_parts(h, lw.wqkv, kernels))
-    return parts, QKVPrologue(*tables, ss, lw.q_norm, lw.k_norm, cfg.n_heads, cfg.n_kv_heads, cfg.rms_eps,
-                              x.shape[-1], cfg.rope_interleaved, jnp.dtype(cfg.dtype).name)
+    pro = QKVPrologue(*tables, ss, lw.q_norm, lw.k_norm, cfg.n_heads, cfg.n_kv_heads, cfg.rms_eps, x.shape[-1],
+                      cfg.rope_interleaved, jnp.dtype(cfg.dtype).name)
+    return attn(parts, kc, vc, start + 1, scale=scale, append=True, prologue=pro, **extra)
 
 
 def split_parts(y, groups: int, sizes: tuple[int, ...]) -> list:
@@ -251,16 +252,6 @@ def to_rows(v, r: int):
 def from_rows(v, b: int, t: int):
     """[r, X] -> [B, T, X]: the real rows of `to_rows`."""
     return v[: b * t].reshape(b, t, v.shape[-1])
-
-
-def _window_args(positions, start, tree, tree_rows_anc):
-    """A verify's B x T positions as decode rows whose kernel writes the window: (lengths [B * T], cache row of each
-    [B * T], and for a tree its rows' ancestors). A tree's node t sits at slot start + t (its position is its
-    depth's) and sees the window keys of its ancestors."""
-    t = positions.shape[1]
-    slots = positions if tree is None else start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    lens, rows = _decode_rows(slots)
-    return lens, rows, {} if tree is None else {"window_anc": tree_rows_anc}
 
 
 def _decode_rows(positions):
@@ -338,6 +329,9 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     # that appends a short verify's window (`window_rows`; not in the row-invariant mode, whose verify must round as
     # decode steps that read the window from the cache)
     append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
+    prologue = (append and QKV_PROLOGUE and not quant.ROW_INVARIANT
+                and ops.accepts("attention_decode", kernels.attention_decode, "prologue"))
+    rope_of = {}  # a decode step's RoPE tables, once per (theta, scale)
     append_rows = (as_decode and APPEND_VERIFY and not quant.ROW_INVARIANT
                    and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
     # a short tree the same way: node t a decode row writing its K/V at slot start + t and seeing its ancestors
@@ -348,29 +342,16 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     if (tree is not None and not tree_as_decode and t <= tree_rows_limit(hd)
             and ops.accepts("attention_decode", kernels.attention_decode, "window_anc")):
         tree_rows_anc = tree[1].reshape(b * t, t)
-    prologue = ((append or append_rows or tree_rows_anc is not None) and QKV_PROLOGUE and not quant.ROW_INVARIANT
-                and (b * t <= QKV_PROLOGUE_ROWS or w.layers[0].q_norm is not None)
-                and ops.accepts("attention_decode", kernels.attention_decode, "prologue"))
-    rope_of = {}  # the rows' RoPE tables, once per (theta, scale)
     for i, lw in enumerate(w.layers):
         theta, pos_scale = cfg.layer_rope(i)
         window = cfg.layer_window(i)
         extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
-        by_kernel = append or append_rows or (tree_rows_anc is not None and window is None)  # rows that append
-        if prologue and by_kernel and lw.bqkv is None and lw.qkv_groups == 1:
+        if prologue and lw.bqkv is None and lw.qkv_groups == 1 and (b <= QKV_PROLOGUE_ROWS or lw.q_norm is not None):
             if (theta, pos_scale) not in rope_of:
-                rope_of[theta, pos_scale] = rope_tables(positions.reshape(-1), hd, theta, pos_scale)
-            parts, pro = _prologue_qkv(cfg, kernels, lw, x, rope_of[theta, pos_scale])
-            if append:
-                o, kc, vc = attn(parts, cache.k[i], cache.v[i], start + 1, scale=scale, append=True, prologue=pro,
-                                 **extra)
-                o = o[:, None]
-            else:
-                lens, rows, anc = _window_args(positions, start, tree, tree_rows_anc)
-                o, kc, vc = ops.get("attention_decode", kernels.attention_decode)(
-                    parts, cache.k[i], cache.v[i], lens, rows, scale=scale, append=True, window_rows=t, prologue=pro,
-                    **extra, **anc, **out_rows)
-                o = o.reshape(n_rows, hq, hd) if out_rows else o.reshape(b, t, hq, hd)
+                rope_of[theta, pos_scale] = rope_tables(positions[:, 0], hd, theta, pos_scale)
+            o, kc, vc = _prologue_attend(cfg, kernels, attn, lw, x, cache.k[i], cache.v[i], start,
+                                         rope_of[theta, pos_scale], scale, extra)
+            o = o[:, None]
         else:
             qkv = unpad(normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels))
             q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
@@ -387,7 +368,9 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             elif append_rows or (tree_rows_anc is not None and window is None):
                 # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window; a tree's node t sits at
                 # slot start + t (its position is its depth's) and sees the window keys of its ancestors
-                lens, rows, anc = _window_args(positions, start, tree, tree_rows_anc)
+                slots = positions if tree is None else start[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+                lens, rows = _decode_rows(slots)
+                anc = {} if tree is None else {"window_anc": tree_rows_anc}
                 o, kc, vc = ops.get("attention_decode", kernels.attention_decode)(
                     jnp.concatenate([q, k, v], axis=2).reshape(b * t, hq + 2 * hkv, hd), cache.k[i], cache.v[i], lens,
                     rows, scale=scale, append=True, window_rows=t, **extra, **anc, **out_rows)

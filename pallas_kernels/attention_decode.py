@@ -67,57 +67,46 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _prologue(q_ref, pro_refs, b, d, *, pro, dt):
-    """`prologue` (the wrapper's docstring) -> rows(r0, n, heads, mask, n_ref, rope): the qkv rows r0 .. r0 + n - 1 of
-    one head (or heads h0 .. h0 + n - 1 of row r0, `heads=True`) [n, D] as the model makes them: the partials summed
-    and cast, the row's attention-norm scale, then for q and k (n_ref the head norm's weight; rope=True) the head norm
-    and RoPE as x * C + x[partner] * S with full-width tables (C = cos, S = -sin on a pair's first column and sin on
-    its second): the partner columns come from a second, gathered load of the same rows."""
+def _prologue(q_ref, pro_refs, b, h, hq, hkv, g, bh, rmask, d, *, pro, dt):
+    """`prologue` (the wrapper's docstring): this program's q heads [bh, D], its kv head's new key and value [1, D],
+    from the qkv partials. RoPE as x * C + x[partner] * S with full-width tables (C = cos, S = -sin on a pair's
+    first column and sin on its second): the partner columns come from a second, gathered load of the same rows."""
     n_parts, has_r, has_norm, eps, inter, width = pro
     f32 = jnp.float32
     it = iter(pro_refs)
     part_refs = [q_ref] + [next(it) for _ in n_parts[1:]]
     r_ref = next(it) if has_r else None
     cos_ref, sin_ref = next(it), next(it)
-    norm_refs = (next(it), next(it)) if has_norm else (None, None)
+    qn_ref, kn_ref = (next(it), next(it)) if has_norm else (None, None)
     col = jnp.arange(d)
     partner = (col ^ 1) if inter else jnp.where(col < d // 2, col + d // 2, col - d // 2)
 
-    def summed(r0, h0, n, heads, mask, cols):
-        span = jnp.arange(n)[:, None]
-        if cols is None:
-            at = (r0, pl.ds(h0, n), slice(None)) if heads else (pl.ds(r0, n), h0, slice(None))
-        else:
-            at = (r0, h0 + span, cols[None, :]) if heads else (r0 + span, h0, cols[None, :])
+    def summed(h0, n, mask, cols):  # the product's rows as the model's linear returns them (cast, then row-scaled)
+        at = (pl.ds(h0, n), slice(None)) if cols is None else (h0 + jnp.arange(n)[:, None], cols[None, :])
         acc, masked = None, {} if mask is None else dict(mask=mask, other=0)
         for ref, count in zip(part_refs, n_parts):
             for p in range(count):
-                x = plgpu.load(ref.at[(jnp.int32(p),) + at], **masked).astype(f32)
+                x = plgpu.load(ref.at[(jnp.int32(p), b) + at], **masked).astype(f32)
                 acc = x if acc is None else acc + x
         y = acc.astype(dt)
         if has_r:  # the attention norm's scale, rsqrt(mean(x^2) + eps), from the row's sum of squares
-            ss = plgpu.load(r_ref.at[pl.ds(r0, 1 if heads else n)], **({} if heads or mask is None else
-                                                                         dict(mask=mask[:, 0], other=0)))
-            y = (y.astype(f32) * lax.rsqrt(ss / width + eps)[:, None]).astype(dt)
+            r = lax.rsqrt(plgpu.load(r_ref.at[pl.ds(b, 1)]) / width + eps)
+            y = (y.astype(f32) * r[:, None]).astype(dt)
         return y.astype(f32)
 
-    def rows(r0, h0, n, heads, mask, which):
-        """which: "q" / "k" (normed with that head norm and rotated) or "v"."""
-        x = summed(r0, h0, n, heads, mask, None)
-        if which == "v":
-            return x.astype(dt)
-        xp = summed(r0, h0, n, heads, mask, partner)
+    def roped(h0, n, mask, n_ref):
+        x, xp = summed(h0, n, mask, None), summed(h0, n, mask, partner)
         if has_norm:  # (x * rsqrt(mean(x^2) + eps)) * w, float32, cast; the partner columns by the same row scale
-            n_ref = norm_refs[which == "k"]
             inv = lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)[:, None]
             x = (x * inv * plgpu.load(n_ref)[None, :]).astype(dt).astype(f32)
             xp = (xp * inv * plgpu.load(n_ref.at[partner])[None, :]).astype(dt).astype(f32)
-        tab = pl.ds(r0, 1 if heads else n)
-        tmask = {} if heads or mask is None else dict(mask=mask, other=0)
-        cs, sn = plgpu.load(cos_ref.at[tab, :], **tmask), plgpu.load(sin_ref.at[tab, :], **tmask)  # [1 or n, D]
+        cs, sn = plgpu.load(cos_ref.at[pl.ds(b, 1), :]), plgpu.load(sin_ref.at[pl.ds(b, 1), :])  # [1, D]
         return (x * cs + xp * sn).astype(dt)
 
-    return rows
+    q = roped(h * g, bh, rmask[:, None], qn_ref)
+    k_new = roped(hq + h, 1, None, kn_ref)
+    v_new = summed(hq + hkv + h, 1, None, None).astype(dt)
+    return q, k_new, v_new
 
 
 def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, nw, has_rows, append, win_rows,
@@ -153,10 +142,8 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
     d = q_ref.shape[-1]
     if append:
         hq, hkv = k_ref.shape[1] * g, k_ref.shape[1]
-    if pro:  # the qkv rows made from the matmul's partial sums (`_prologue`)
-        pro_rows = _prologue(q_ref, pro_refs, b, d, pro=pro, dt=k_ref.dtype)
-        q = pro_rows(b, h * g, bh, True, rmask[:, None], "q")
-        k_new, v_new = pro_rows(b, hq + h, 1, True, None, "k"), pro_rows(b, hq + hkv + h, 1, True, None, "v")
+    if pro:
+        q, k_new, v_new = _prologue(q_ref, pro_refs, b, h, hq, hkv, g, bh, rmask, d, pro=pro, dt=k_ref.dtype)
     elif append:
         q = plgpu.load(q_ref.at[b, pl.ds(h * g, bh), :], mask=rmask[:, None], other=0)
     else:
@@ -207,12 +194,8 @@ def _kernel(len_ref, *refs, g, bh, bk, chunk, seq, qk_scale, n_split, partials, 
         tw = max(16, _next_pow2(win_rows))  # (the tensor-core dot's 16 columns at least)
         j = jnp.arange(tw)
         jmask = j < win_rows
-        if pro:
-            kw = pro_rows(b - t, hq + h, tw, False, jmask[:, None], "k")
-            vw = pro_rows(b - t, hq + hkv + h, tw, False, jmask[:, None], "v")
-        else:
-            kw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + h, :], mask=jmask[:, None], other=0).astype(k_ref.dtype)
-            vw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + hkv + h, :], mask=jmask[:, None], other=0)
+        kw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + h, :], mask=jmask[:, None], other=0).astype(k_ref.dtype)
+        vw = plgpu.load(q_ref.at[pl.ds(b - t, tw), hq + hkv + h, :], mask=jmask[:, None], other=0)
         s = jnp.dot(q, kw.T, preferred_element_type=jnp.float32)  # [bh, tw]
         # a tree: key j where the row's bit j is set; a chain: keys 0..t
         vis = bits_visible(words, j, jmask) if nw else (j <= t)[None, :] & jmask[None, :]
@@ -352,7 +335,7 @@ def attention_decode(
     _, hkv, seq, _ = k.shape
     pro, pro_args, out_dtype = None, [], q.dtype
     if prologue is not None:
-        assert append and not (partials or pack), "prologue: a decode step's or a verify's own rows"
+        assert append and rows is None and not (partials or pack or win_mask is not None), "prologue: decode steps"
         more = tuple(prologue.get("parts", ()))
         has_r, has_norm = prologue.get("row_sumsq") is not None, prologue.get("q_norm") is not None
         pro = ((q.shape[0],) + tuple(p.shape[0] for p in more), has_r, has_norm, float(prologue_eps),
@@ -483,19 +466,14 @@ def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float, sli
     return o.reshape(bsz, hq, d).astype(q.dtype)
 
 
-def packs_window(d: int, append: bool, window_rows: int, row_invariant: bool, sliding: int) -> bool:
-    """Whether `attention_decode_pallas` runs a verify's window packed (`pack`; PACK_WINDOWS)."""
-    return ((PACK_WINDOWS == "1" or (PACK_WINDOWS != "0" and d >= PACK_MIN_HEAD_DIM)) and append and window_rows > 0
-            and not row_invariant and not sliding)
-
-
 def attention_decode_pallas(q, k, v, lengths, rows=None, win_mask=None, *, scale, append: bool = False,
                             window_rows: int = 0, out_rows: int = 0, sliding: int = 0, interpret: bool | None = None,
                             **overrides):
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
     invariant = overrides.get("row_invariant", False)
-    pack = packs_window(q.shape[-1], append, window_rows, invariant, sliding)
+    pack = (PACK_WINDOWS == "1" or (PACK_WINDOWS != "0" and q.shape[-1] >= PACK_MIN_HEAD_DIM)) and append \
+        and window_rows > 0 and not invariant and not sliding
     cfg = default_config(lengths.shape[0], k.shape[1], k.shape[2], q.shape[-1], invariant, mapped_rows=rows is not None,
                          packed=pack)
     if pack and math.prod(packed_tiles(window_rows, q.shape[1] // k.shape[1] - 2)) >= 128:

@@ -121,13 +121,11 @@ def test_decode_kernel_that_appends_kv_gives_the_written_then_attended_step(monk
         assert not (want_c.k[0] == cache.k[0]).all()  # the step wrote its keys
 
 
-def test_verify_whose_decode_kernel_appends_the_window_gives_the_written_then_attended_logits(monkeypatch):
+def test_verify_whose_decode_kernel_appends_the_window_gives_the_written_then_attended_logits():
     """A short verify (decode rows) with the Pallas decode kernel (interpret mode) writing the window's K/V itself
     (`window_rows`, the default) gives the cache and logits of the verify that writes it first (model.APPEND_VERIFY =
     False), up to the softmax's order; batch 1 and 2 rows at ragged starts, jitted, cache donated."""
     from lucebox_jax import model
-
-    monkeypatch.setattr(model, "QKV_PROLOGUE", False)  # (XLA makes q, k, v: `test_qkv_prologue.py`)
 
     assert ops.accepts("attention_decode", "pallas", "window_rows")
     cfg = PRESETS["tiny"]

@@ -77,55 +77,6 @@ def test_compiled_kernel_prologue_is_the_jnp_prologue_then_the_kernel(case):
     _check(case, interpret=False)
 
 
-# B windows, T positions, Hq, Hkv, D, cache S, partial-sum arrays, q/k norms, interleaved, a token tree
-WINDOW_CASES = [
-    (1, 5, 9, 3, 64, 64, (9,), False, True, False),  # the embedded model's chain verify (K = 4)
-    (2, 4, 6, 2, 64, 96, (3, 1), True, False, False),  # two rows' chains, int8 partials + mins part, q/k norms
-    (1, 16, 9, 3, 64, 128, (9,), False, True, True),  # the embedded model's tree of 15 and its root
-]
-
-
-def _check_window(case, interpret):
-    """A verify's T positions a window as B * T decode rows (`window_rows`; with `tree`, a token tree's ancestors as
-    bits): each row's q, its window's keys and values, and the keys written, all from the partials."""
-    from pallas_kernels.attention_tree import ancestor_words
-
-    b, t, hq, hkv, d, s, parts, norm, inter, tree = case
-    ps, kc, vc, _, pro = _case(b * t, b * t, hq, hkv, d, s, parts, norm, False, inter, seed=d + s + t)
-    lens = (jnp.asarray([30, 51])[:b, None] + 1 + jnp.arange(t)[None, :]).reshape(-1).astype(jnp.int32)
-    rows = jnp.repeat(jnp.arange(b, dtype=jnp.int32), t)
-    pro = dataclasses.replace(pro, cos=rope_tables(lens - 1, d, 10000.0)[0], sin=rope_tables(lens - 1, d, 10000.0)[1])
-    win = None
-    if tree:  # node j's parent (j - 1) // 2: a binary tree
-        parent = np.maximum((np.arange(t) - 1) // 2, 0)
-        anc = np.eye(t, dtype=bool)
-        for j in range(1, t):
-            anc[j] = anc[parent[j]] | anc[j]
-        words = ancestor_words(jnp.asarray(np.tile(anc, (b, 1))))
-        win = jnp.broadcast_to(words[:, None], (b * t, hq, words.shape[-1]))
-    kw = dict(scale=d ** -0.5, interpret=interpret, append=True, window_rows=t, n_split=2)
-    want, wk, wv = attention_decode(pro.apply(ps), kc, vc, lens, rows, win, **kw)
-    cos, sin = full_tables(pro.cos, pro.sin, inter)
-    args = dict(parts=ps[1:], row_sumsq=None, cos=cos, sin=sin, q_norm=pro.q_norm, k_norm=pro.k_norm)
-    got, gk, gv = attention_decode(ps[0], kc, vc, lens, rows, win, prologue=args, prologue_eps=1e-6, prologue_dim=96,
-                                   rope_interleaved=inter, **kw)
-    assert got.shape == (b * t, hq, d)
-    assert (np.asarray(got) == np.asarray(want)).all()
-    assert (np.asarray(gk) == np.asarray(wk)).all() and (np.asarray(gv) == np.asarray(wv)).all()
-
-
-@pytest.mark.parametrize("case", WINDOW_CASES)
-def test_kernel_prologue_on_a_verify_window(case):
-    _check_window(case, interpret=True)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
-@pytest.mark.parametrize("case", WINDOW_CASES)
-def test_compiled_kernel_prologue_on_a_verify_window(case):
-    _check_window(case, interpret=False)
-
-
 @pytest.mark.parametrize("rows,qk_norm,inter", [(1, False, True), (3, True, False), (1, True, False)])
 def test_jnp_prologue_is_the_models_own_path(rows, qk_norm, inter):
     """QKVPrologue.apply over `linear_parts` (int4 Pallas-Triton partials, interpret mode) gives bitwise the q, k, v
@@ -184,31 +135,28 @@ def _gemma3_tiny():
                                attn_scale=32 ** -0.5)
 
 
-@pytest.mark.parametrize("t", [1, 5])
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3"])
-def test_decode_step_with_the_prologue_matches_the_step_without(name, t, monkeypatch):
-    """A jitted decode step (t = 1) or a verify of 5 positions (decode rows writing their window), cache donated,
-    with Pallas matmuls and attention, batch 1 and 3 rows at ragged starts: the prologue's logits and caches match
-    the XLA prologue's (float32 tiny models: to ~1e-6 relative)."""
+def test_decode_step_with_the_prologue_matches_the_step_without(name, monkeypatch):
+    """A jitted decode step (cache donated) with Pallas matmuls and attention, batch 1 and 3 rows at ragged starts:
+    the prologue's logits and caches match the XLA prologue's (float32 tiny models: to ~1e-6 relative)."""
     cfg = {"llama": PRESETS["tiny"], "gemma3": _gemma3_tiny(),
            "qwen3": dataclasses.replace(PRESETS["tiny"], arch="qwen3", qk_norm=True, rope_interleaved=False)}[name]
     w = random_weights(cfg, jax.random.key(2), group_size=32)
     ks = KernelSet(attention_decode="pallas", qmatmul="pallas", qmatmul8="pallas")
-    calls, real = [], model._prologue_qkv
-    monkeypatch.setattr(model, "_prologue_qkv", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], model._prologue_attend
+    monkeypatch.setattr(model, "_prologue_attend", lambda *a: calls.append(1) or real(*a))
     for start in ([5], [0, 9, 31]):
         b, s = len(start), jnp.array(start, jnp.int32)
         cache = init_cache(cfg, b, 32)
         cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
                                       for i, c in enumerate(cache.k)), lengths=s)
-        toks = (jnp.arange(b * t).reshape(b, t) * 7 + 3) % cfg.vocab_size
+        toks = (jnp.arange(b)[:, None] * 7 + 3) % cfg.vocab_size
         outs = []
         for on in (True, False):
             monkeypatch.setattr(model, "QKV_PROLOGUE", on)
-            step = jax.jit(lambda c, x, st: forward(cfg, ks, w, c, x, st, verify=t > 1), donate_argnums=0)
+            step = jax.jit(lambda c, t, st: forward(cfg, ks, w, c, t, st), donate_argnums=0)
             outs.append(step(jax.tree.map(jnp.copy, cache), toks, s))
-        want_calls = cfg.n_layers * (1 if start == [5] or b * t > model.QKV_PROLOGUE_ROWS else 2)
-        assert len(calls) == want_calls  # every layer took it (with it on only), the 15-row verify too
+        assert len(calls) == cfg.n_layers * (1 if start == [5] else 2)  # every layer took it, with it on only
         (got, got_c), (want, want_c) = outs
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
         for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):
