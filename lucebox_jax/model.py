@@ -112,9 +112,10 @@ APPEND_KV = True
 # ... and, where the kernel takes `prologue`, the step's qkv partial sums as the matmul wrote them, summed, normed and
 # rotated by the attention kernel on its loads (qkv_prologue.py; LUCEBOX_QKV_PROLOGUE=0: by XLA first, the A/B)
 QKV_PROLOGUE = os.environ.get("LUCEBOX_QKV_PROLOGUE", "1") != "0"
-# ... in steps of up to this many rows, or any with q/k norms (H100, 2026-12-07: the embedded shapes 0.757 ->
-# 0.741-0.747 ms at batch 1 but 1.178 -> 1.189-1.200 at 32; Gemma 3 270M 0.913 -> 0.820 at 1, 0.907 -> 0.866-0.878 at 8)
-QKV_PROLOGUE_ROWS = 16
+# ... in steps of up to this many rows, or any with q/k norms (H100, 2026-12-07, ms a step without -> with: the
+# embedded shapes 0.757 -> 0.741-0.747 at batch 1, 0.908 -> 0.928-0.931 at 16, 1.178 -> 1.189-1.200 at 32; the 8B
+# shapes 2.429 -> 2.420 at 1, 2.965 -> 2.955 at 8; Gemma 3 270M 0.913 -> 0.820 at 1, 0.907 -> 0.866-0.878 at 8)
+QKV_PROLOGUE_ROWS = 8
 # ... and a short verify's window (LUCEBOX_VERIFY_APPEND=0 writes it first: A/B in benchmarks)
 APPEND_VERIFY = os.environ.get("LUCEBOX_VERIFY_APPEND", "1") != "0"
 # ... and a tree verify of at most `tree_rows_limit` rows (nodes and root), as decode rows with its ancestors as bits:

@@ -35,8 +35,10 @@ from .errors import UnknownKernelError
 OPS = ("qmatmul", "qmatmul8", "attention_prefill", "attention_decode", "attention_tree", "kv_move")
 
 OP_SIGNATURES = {
-    "qmatmul": "fn(x [M, K], w: QuantArray [K, N]) -> [M, N] (x.dtype)",
-    "qmatmul8": "fn(x [M, K], w: Int8Array [K, N]) -> [M, N] (x.dtype); int8 weights, e.g. a Q8_0 LM head",
+    "qmatmul": "fn(x [M, K], w: QuantArray [K, N]) -> [M, N] (x.dtype); optional parts=True: a tuple of arrays "
+               "[P, R >= M, N] whose sum over every P is the product (split-K partials as written; quant.linear_parts)",
+    "qmatmul8": "fn(x [M, K], w: Int8Array [K, N]) -> [M, N] (x.dtype); int8 weights, e.g. a Q8_0 LM head; optional "
+                "parts=True as qmatmul's",
     "attention_prefill": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], start [B] int32, *, scale) -> [B, T, Hq, D]; "
         "query t of row b sits at absolute position start[b] + t and sees cache positions <= that; "
@@ -51,7 +53,9 @@ OP_SIGNATURES = {
         "writes at lengths[b] - 1, returning (out, k, v)) and, with rows, window_rows=T (the rows are windows of T "
         "positions, written by the kernel; pallas_kernels/README.md) and window_anc [B, T] bool (the windows are "
         "token trees: row t sees the window keys j where window_anc[row, j], not 0..t); optional out_rows=R with "
-        "append: the output padded with zero rows to R rows"
+        "append: the output padded with zero rows to R rows; optional prologue=QKVPrologue with append in a decode "
+        "step: q is then the qkv matmul's partial sums (a tuple, quant.linear_parts) that the kernel sums, norms and "
+        "rotates itself (lucebox_jax/qkv_prologue.py)"
     ),
     "attention_tree": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "
