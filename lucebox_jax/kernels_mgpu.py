@@ -156,7 +156,7 @@ def _run(x, w, fallback, parts=False):
     from pallas_kernels import mgpu_qmatmul as mg
 
     if not isinstance(w, mg.MgpuWeight):  # a shape prepare left in the engine's format
-        return fallback(x, w, parts=True) if parts and _takes_parts(fallback) else (
+        return fallback(x, w, parts=True) if parts and ops.takes(fallback, "parts") else (
             (fallback(x, w)[None],) if parts else fallback(x, w))
     m = x.shape[0]
     k, n = w.shape
@@ -166,11 +166,6 @@ def _run(x, w, fallback, parts=False):
     num_sms = getattr(jax.devices()[0], "core_count", 132)
     return _matmul_jit()(x, w, cfg, num_sms=num_sms, interpret=INTERPRET, parts=parts)
 
-
-def _takes_parts(fn) -> bool:
-    import inspect
-
-    return "parts" in inspect.signature(fn).parameters
 
 
 @functools.lru_cache(maxsize=1)

@@ -208,8 +208,13 @@ def padded_rows(op: str, name: str, m: int, w=None) -> int:
 
 def accepts(op: str, name: str, param: str) -> bool:
     """Whether implementation `name` of `op` takes the optional parameter `param` (e.g. attention_decode's `rows`)."""
+    return takes(get(op, name), param)
+
+
+def takes(fn: Callable, param: str) -> bool:
+    """Whether the kernel function `fn` takes the optional parameter `param`."""
     try:
-        return param in inspect.signature(get(op, name)).parameters
+        return param in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a callable without a readable signature: assume the op's base signature
         return False
 

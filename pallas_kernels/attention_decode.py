@@ -34,6 +34,10 @@ ancestors and itself) instead of keys 0..t. The tree's keys are written where a 
 node t; the accepted path is moved into place afterwards), so a tree verify also loses its two cache writes a layer
 and, as decode rows, the transposes of the tiled tree kernel (`attention_tree.py`, for longer trees and contexts).
 
+`prologue=` (a decode step with append): q is the qkv matmul's split-K partial sums as written, and each program
+makes its rows of q, k, v itself (the sum, the deferred attention norm, the q/k head norms, RoPE; the wrapper's
+docstring), so XLA's fusion between the two kernels goes (`lucebox_jax/qkv_prologue.py`).
+
 `row_invariant=True` fixes n_split by the cache shape alone (as for one row) and merges the splits in order, so a
 row's output does not depend on how many rows share the call (lucebox_jax.quant.ROW_INVARIANT).
 """

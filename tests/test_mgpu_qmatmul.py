@@ -486,3 +486,22 @@ def test_engine_configs_lower_for_27b_and_32b_shapes(preset, m):
             txt = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)).trace(
                 sds((m, k), jnp.bfloat16), w).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in txt, (k, n, g, bits)
+
+
+@pytest.mark.parametrize("cfg,n_parts", [(mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=2, split_k=2), 2),
+                                         (mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, stream_k=True), 1),
+                                         (mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=1, split_k=1), 1)])
+def test_parts_sum_to_the_product(cfg, n_parts):
+    """parts=True (`quant.linear_parts`): split-K's float32 partials as written (rows past M are padding), else the
+    product as one part (stream-K's partials summed first: its unwritten slots are not zeros)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    rng = np.random.default_rng(7)
+    w = quantize_int4(rng.standard_normal((256, 128)).astype(np.float32), group_size=32, symmetric=False)
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    kw = dict(num_sms=3, interpret=plgpu.InterpretGPUParams())
+    (parts,) = mg.mgpu_matmul(x, mg.repack(w), cfg, parts=True, **kw)
+    assert parts.shape[0] == n_parts and parts.shape[1] >= 3 and parts.shape[2] == 128
+    y = mg.mgpu_matmul(x, mg.repack(w), cfg, **kw)
+    total = jnp.sum(parts.astype(jnp.float32), axis=0)[:3]
+    assert (np.asarray(total.astype(jnp.bfloat16)) == np.asarray(y)).all()
