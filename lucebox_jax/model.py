@@ -330,7 +330,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     # that appends a short verify's window (`window_rows`; not in the row-invariant mode, whose verify must round as
     # decode steps that read the window from the cache)
     append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
-    prologue = (append and QKV_PROLOGUE and not quant.ROW_INVARIANT
+    prologue = (append and QKV_PROLOGUE and not quant.ROW_INVARIANT and (b <= QKV_PROLOGUE_ROWS or cfg.qk_norm)
                 and ops.accepts("attention_decode", kernels.attention_decode, "prologue"))
     rope_of = {}  # a decode step's RoPE tables, once per (theta, scale)
     append_rows = (as_decode and APPEND_VERIFY and not quant.ROW_INVARIANT
@@ -347,7 +347,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
         theta, pos_scale = cfg.layer_rope(i)
         window = cfg.layer_window(i)
         extra = {} if window is None else {"window": window}  # kernels without windows keep their old signature
-        if prologue and lw.bqkv is None and lw.qkv_groups == 1 and (b <= QKV_PROLOGUE_ROWS or lw.q_norm is not None):
+        if prologue and lw.bqkv is None and lw.qkv_groups == 1:
             if (theta, pos_scale) not in rope_of:
                 rope_of[theta, pos_scale] = rope_tables(positions[:, 0], hd, theta, pos_scale)
             o, kc, vc = _prologue_attend(cfg, kernels, attn, lw, x, cache.k[i], cache.v[i], start,

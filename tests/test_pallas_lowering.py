@@ -140,8 +140,8 @@ def test_attention_decode_lowers(b, hq, hkv, s, d, combine):
     assert txt.count("xla.gpu.triton") == (2 if combine == "kernel" else 1)  # the combine: a second kernel
 
 
-@pytest.mark.parametrize("b,hq,hkv,s,d,parts,inter", [(1, 9, 3, 8192, 64, (9,), True),
-                                                  (8, 32, 8, 4096, 128, (6,), False), (1, 4, 1, 1024, 256, (4, 1), False)])
+@pytest.mark.parametrize("b,hq,hkv,s,d,parts,inter", [
+    (1, 9, 3, 8192, 64, (9,), True), (8, 32, 8, 4096, 128, (6,), False), (1, 4, 1, 1024, 256, (4, 1), False)])
 def test_attention_decode_with_the_qkv_prologue_lowers(b, hq, hkv, s, d, parts, inter):
     """The kernel summing qkv partials, norming and rotating on its loads (`prologue`; its partner columns a
     gathered load): one Triton kernel and the split merge, the caches aliased through."""
