@@ -5,7 +5,8 @@ the on-device generation loop (`engine.generate_loop`) at a fixed context, repor
 step must read (weights + the KV cache up to the context) and that over the measured copy bandwidth. Models use
 random weights at real shapes (speed does not depend on weight values): SmolLM2-135M (the embedded model's shapes)
 and Llama-3-8B, int4 group 128; also `gemma3_270m` (group 32; `--linear-bits 8` for int8 layers as in its Q4_K_M
-file; benchmarks/bench_gemma3.py runs it beside transformers). Also counts the kernels one compiled decode step launches.
+file; benchmarks/bench_gemma3.py runs it beside transformers); `--group 32` gives the larger shapes g32 int4 with mins
+(a Q4_1 / Q4_K import's layout). Also counts the kernels one compiled decode step launches.
 
     PYTHONUNBUFFERED=1 python benchmarks/bench_decode.py                       # GPU defaults
     python benchmarks/bench_decode.py --small                                   # CPU smoke run
@@ -265,6 +266,9 @@ def main(argv=None):
     ap.add_argument("--xla-batches", default="1,32", help="batches that also run the XLA baseline kernels")
     ap.add_argument("--linear-bits", type=int, choices=(4, 8), default=4,
                     help="random int4 (default) or int8 g32 linear layers (8: a Q4_K_M file's layout)")
+    ap.add_argument("--group", type=int, choices=(32, 128), default=None,
+                    help="int4 group size (default: 32 with mins for the small models, as their Q4_1 files; 128 "
+                         "symmetric for the 8B / 27B / 32B shapes; 32 there: a Q4_1 / Q4_K import's layout)")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
@@ -294,7 +298,8 @@ def main(argv=None):
     for model in args.models.split(","):
         cfg = PRESETS[model].replace(dtype=dtype)
         small = model in ("tiny", "smollm2-135m", "gemma3_270m")
-        weights = random_weights(cfg, jax.random.key(0), group_size=32 if small else 128, asymmetric=small,
+        g = args.group or (32 if small else 128)
+        weights = random_weights(cfg, jax.random.key(0), group_size=g, asymmetric=g == 32,
                                  linear_bits=args.linear_bits)
         jax.block_until_ready(weights)
         seen_specs, prepared = set(), {}

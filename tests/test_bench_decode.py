@@ -18,17 +18,18 @@ def test_bench_decode_variants_small(tmp_path, monkeypatch):
     monkeypatch.setenv("OUT", str(tmp_path))
     monkeypatch.delenv("LUCEBOX_ATTN_DECODE", raising=False)
     bench_decode.main(["--small", "--batches", "1", "--variants",
-                       "engine,dynamic_sampling,norm_first,check4,attn=n_split=2+num_stages=1"])
+                       "engine,dynamic_sampling,norm_first,check4,xla_prologue,attn=n_split=2+num_stages=1"])
     rows = json.loads((tmp_path / "bench_decode.json").read_text())["rows"]
     by = {r["variant"]: r for r in rows}
-    assert set(by) == {"engine", "dynamic_sampling", "norm_first", "check4", "attn=n_split=2+num_stages=1"}
+    assert set(by) == {"engine", "dynamic_sampling", "norm_first", "check4", "xla_prologue",
+                       "attn=n_split=2+num_stages=1"}
     assert all("tok_s" in r for r in rows)
     assert "LUCEBOX_ATTN_DECODE" not in os.environ  # the attn= variant's knobs are taken back
     # greedy chosen on the host or on the device, the condition read every step or every 4: the same tokens
     assert by["engine"]["tokens_sha"] == by["dynamic_sampling"]["tokens_sha"] == by["check4"]["tokens_sha"]
     from lucebox_jax import model
 
-    assert model.DEFER_ONE_ROW_NORM is True  # the variant's switch is put back
+    assert model.DEFER_ONE_ROW_NORM is True and model.QKV_PROLOGUE is True  # the variants' switches are put back
 
 
 def test_bench_decode_unknown_variant_lists_the_valid_ones(capsys):
