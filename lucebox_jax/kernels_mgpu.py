@@ -167,7 +167,6 @@ def _run(x, w, fallback, parts=False):
     return _matmul_jit()(x, w, cfg, num_sms=num_sms, interpret=INTERPRET, parts=parts)
 
 
-
 @functools.lru_cache(maxsize=1)
 def _matmul_jit():
     """The kernel behind a nested jit: the layers' calls of one shape are traced and lowered once and called as one

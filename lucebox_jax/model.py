@@ -20,7 +20,7 @@ from . import ops, quant
 from .config import ModelConfig
 from .kernels_xla import write_kv as _write_kv
 from .ops import KernelSet
-from .qkv_prologue import QKVPrologue, rope_tables, rotate
+from .qkv_prologue import QKVPrologue, head_norm, rope_tables, rotate
 from .quant import linear
 
 
@@ -156,10 +156,11 @@ def ordered_row_sum(v):
 
 
 def rms_norm(x, w, eps):
+    if not quant.ROW_INVARIANT:
+        return head_norm(x, w, eps)
     xf = x.astype(jnp.float32)
     sq = xf * xf
-    ms = ordered_row_sum(sq) / sq.shape[-1] if quant.ROW_INVARIANT else jnp.mean(sq, axis=-1, keepdims=True)
-    y = xf * jax.lax.rsqrt(ms + eps)
+    y = xf * jax.lax.rsqrt(ordered_row_sum(sq) / sq.shape[-1] + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -205,9 +206,9 @@ def _prologue_attend(cfg, kernels, attn, lw, x, kc, vc, start, tables, scale, ex
     the attention norm (its row scale deferred as `normed_linear` defers it), the matmul's partial sums as written,
     and the RoPE tables (cos, sin) [B, hd/2] of the layer. -> (out [B, Hq, hd], k cache, v cache)."""
     xr = x.reshape(-1, x.shape[-1])
-    if one_deferred_row(x):  # (rms_norm_deferred's h and, for its scale, the sum of squares its mean divides)
+    if one_deferred_row(x):  # rms_norm_deferred's h; for its scale, the sum of squares its mean divides
         xf = xr.astype(jnp.float32)
-        h, ss = (xf * lw.attn_norm.astype(jnp.float32)).astype(xr.dtype), jnp.sum(xf * xf, axis=-1)
+        h, ss = rms_norm_deferred(xr, lw.attn_norm, cfg.rms_eps)[0], jnp.sum(xf * xf, axis=-1)
     else:
         h, ss = rms_norm(xr, lw.attn_norm, cfg.rms_eps), None
     heads = cfg.n_heads + 2 * cfg.n_kv_heads

@@ -51,7 +51,7 @@ def full_tables(cos, sin, interleaved: bool):
 
 
 def head_norm(x, w, eps: float):
-    """RMS norm over the last axis, float32 inside, x's dtype out (as `model.rms_norm` outside row-invariant mode)."""
+    """RMS norm over the last axis, float32 inside, x's dtype out (`model.rms_norm` outside row-invariant mode)."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (y * w.astype(jnp.float32)).astype(x.dtype)
