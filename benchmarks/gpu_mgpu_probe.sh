@@ -15,7 +15,8 @@
 # the step with table entries changed (see below); MS (rows, default 1) and
 # DECODE_BATCHES (default 1) take lists such as 1,16,64 and 1,8; FLAG_AB='f1;f2' the batch-1 step under each XLA_FLAGS;
 # DECODE_VARIANTS (bench_decode --variants, e.g. engine,dynamic_sampling,norm_first,attn_combine_xla) and
-# DECODE_MODELS (default llama3-8b) widen the step's run; ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
+# DECODE_MODELS (default llama3-8b) and DECODE_GROUP (int4 group, e.g. 32) widen the step's run;
+# ATTN_AB=1 the batch-1 step with LUCEBOX_ATTN_COMBINE=kernel (ATTN_MODELS); TREE_AB=1 (no DECODE needed) the 8B
 # verify of 9 rows and of a 32-node tree with attention_tree=xla, then =pallas (bench_spec.py part B).
 # VERIFY_AB=1: the same 8B verifies (9 rows, a tree of 32) once per ';'-separated set of environment assignments in
 # VERIFY_ENVS (default: the engine's defaults, then the twenty-seventh session's way, LUCEBOX_MGPU_WIDE=0
@@ -102,10 +103,12 @@ if [ "${SWEEP:-1}" = 1 ]; then
   done
 fi
 [ "${TUNED:-0}" = 1 ] && cp pallas_kernels/mgpu_tuned.json "$OUT/"
+GROUP_ARG=$([ -n "${DECODE_GROUP:-}" ] && echo --group "$DECODE_GROUP")  # e.g. 32: int4 g32 with mins (Q4_K imports)
 if [ "${DECODE:-0}" = 1 ]; then
   SETS=${DECODE_SETS:-qmatmul=best,qmatmul8=best;qmatmul=pallas,qmatmul8=pallas}
   DUMP_HLO=$([ "${PROFILE:-0}" = 1 ] && echo "$OUT") timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
-    --models "${DECODE_MODELS:-llama3-8b}" --batches "${DECODE_BATCHES:-1}" --xla-batches '' --kernel-sets "$SETS" \
+    --models "${DECODE_MODELS:-llama3-8b}" $GROUP_ARG --batches "${DECODE_BATCHES:-1}" --xla-batches '' \
+    --kernel-sets "$SETS" \
     --reps 2 --variants "${DECODE_VARIANTS:-engine}" \
     $([ "${PROFILE:-0}" = 1 ] && echo --profile) > "$OUT/decode.log" 2>&1  # (PROFILE=1 also keeps the step's HLO)
   if [ "${PDL_AB:-0}" = 1 ]; then  # the same step with programmatic dependent launch (LUCEBOX_MGPU_PDL=1)
@@ -116,7 +119,7 @@ if [ "${DECODE:-0}" = 1 ]; then
   fi
   if [ -n "${DECODE_AB:-}" ]; then  # the same step with another int4 decode (LUCEBOX_MGPU_DECODE=cast|split)
     LUCEBOX_MGPU_DECODE=$DECODE_AB timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
-      --models "${DECODE_MODELS:-llama3-8b}" --batches "${DECODE_BATCHES:-1}" --xla-batches '' \
+      --models "${DECODE_MODELS:-llama3-8b}" $GROUP_ARG --batches "${DECODE_BATCHES:-1}" --xla-batches '' \
       --kernel-sets "qmatmul=best,qmatmul8=best" --reps 2 $([ "${PROFILE:-0}" = 1 ] && echo --profile) \
       > "$OUT/decode_ab.log" 2>&1
     mv "$OUT/bench_decode.json" "$OUT/bench_decode_ab.json" 2>/dev/null
@@ -131,7 +134,7 @@ if [ "${DECODE:-0}" = 1 ]; then
 for k,v in d.items(): t[k]['cfg'].update(v)
 json.dump(t, open(sys.argv[2],'w'), indent=1)" "${t#*:}" "/tmp/table_${t%%:*}.json"
     LUCEBOX_MGPU_TUNED="/tmp/table_${t%%:*}.json" timeout "${DECODE_SECONDS:-150}" python3 benchmarks/bench_decode.py \
-      --models "${DECODE_MODELS:-llama3-8b}" --batches "${DECODE_BATCHES:-1}" --xla-batches '' \
+      --models "${DECODE_MODELS:-llama3-8b}" $GROUP_ARG --batches "${DECODE_BATCHES:-1}" --xla-batches '' \
       --kernel-sets "qmatmul=best,qmatmul8=best" --reps 2 $([ "${PROFILE:-0}" = 1 ] && echo --profile) \
       > "$OUT/decode_table_${t%%:*}.log" 2>&1
     mv "$OUT/bench_decode.json" "$OUT/bench_decode_table_${t%%:*}.json" 2>/dev/null
