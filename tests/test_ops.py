@@ -86,6 +86,15 @@ def test_short_verify_attends_as_decode_rows_and_kernels_without_rows_still_serv
     assert seen == []  # a longer verify stays with attention_prefill
 
 
+def ragged_decode_inputs(cfg, start: list[int], max_len: int = 32):
+    """A decode step's inputs at rows starting at `start`: a cache of random keys (zero values), one token a row."""
+    b, s = len(start), jnp.array(start, jnp.int32)
+    cache = init_cache(cfg, b, max_len)
+    cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
+                                  for i, c in enumerate(cache.k)), lengths=s)
+    return cache, (jnp.arange(b)[:, None] * 7 + 3) % cfg.vocab_size, s
+
+
 def test_decode_kernel_that_appends_kv_gives_the_written_then_attended_step(monkeypatch):
     """A decode step with the Pallas decode kernel (interpret mode) appending the step's own K/V (`append`, the
     default) gives bitwise the logits and cache of the step that writes the cache first (model.APPEND_KV = False):
@@ -100,12 +109,7 @@ def test_decode_kernel_that_appends_kv_gives_the_written_then_attended_step(monk
     w = random_weights(cfg, jax.random.key(2), group_size=32)
     ks = KernelSet(attention_decode="pallas")
     for start in ([5], [0, 9, 31]):
-        b = len(start)
-        s = jnp.array(start, jnp.int32)
-        cache = init_cache(cfg, b, 32)
-        cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
-                                      for i, c in enumerate(cache.k)), lengths=s)
-        toks = (jnp.arange(b)[:, None] * 7 + 3) % cfg.vocab_size
+        cache, toks, s = ragged_decode_inputs(cfg, start)
         outs = []
         for append in (True, False):
             model.APPEND_KV = append

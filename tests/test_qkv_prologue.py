@@ -18,11 +18,12 @@ import jax
 import jax.numpy as jnp
 
 from lucebox_jax import model, quant
-from lucebox_jax.model import forward, init_cache
+from lucebox_jax.model import forward
 from lucebox_jax.ops import KernelSet
 from lucebox_jax.qkv_prologue import QKVPrologue, full_tables, rope_tables
 from lucebox_jax.synthetic import PRESETS, random_weights
 from pallas_kernels.attention_decode import attention_decode
+from test_ops import ragged_decode_inputs
 
 ON_GPU = jax.default_backend() == "gpu"
 
@@ -146,11 +147,7 @@ def test_decode_step_with_the_prologue_matches_the_step_without(name, monkeypatc
     calls, real = [], model._prologue_attend
     monkeypatch.setattr(model, "_prologue_attend", lambda *a: calls.append(1) or real(*a))
     for start in ([5], [0, 9, 31]):
-        b, s = len(start), jnp.array(start, jnp.int32)
-        cache = init_cache(cfg, b, 32)
-        cache = cache.replace(k=tuple(jax.random.normal(jax.random.key(i), c.shape, c.dtype)
-                                      for i, c in enumerate(cache.k)), lengths=s)
-        toks = (jnp.arange(b)[:, None] * 7 + 3) % cfg.vocab_size
+        cache, toks, s = ragged_decode_inputs(cfg, start)
         outs = []
         for on in (True, False):
             monkeypatch.setattr(model, "QKV_PROLOGUE", on)
