@@ -145,8 +145,7 @@ def main():
             base = first[-1] if first else None
             for v in [json.loads(v) for v in args.variants.split(";") if v.strip()] if base else []:
                 cfg = dataclasses.replace(base, **v)
-                # (e.g. other loads: off; a variant naming the decode's knobs keeps them)
-                cfg = cfg if {"split_decode", "fma"} & set(v) else km.with_decode(cfg, k, n, g, bits)
+                cfg = cfg if "split_decode" in v else km.with_decode(cfg, k, n, g, bits)  # (e.g. other loads: off)
                 if not mg.check_config(k, n, g, bits, cfg):
                     first.append(cfg)
             first = list(dict.fromkeys(first))

@@ -36,9 +36,6 @@ PDL = os.environ.get("LUCEBOX_MGPU_PDL", "") == "1"
 DECODE = os.environ.get("LUCEBOX_MGPU_DECODE", "split")
 if DECODE not in ("split", "cast"):
     raise ValueError(f"LUCEBOX_MGPU_DECODE={DECODE!r}: split or cast")
-# LUCEBOX_MGPU_FMA (read at import; 1 on, 0 off): asymmetric int4 (g32 with mins: the Q4_1 / Q4_K imports) on perm
-# loads scaled and shifted by one bf16x2 FMA a register (`MgpuConfig.fma`) rather than a multiply and an add
-FMA = os.environ.get("LUCEBOX_MGPU_FMA", "0") == "1"
 MGPU_MAX_M = 64  # rows above this (prefill chunks) are compute-bound: XLA's dequantize + dot serves them
 # LUCEBOX_MGPU_TUNED (read at import): another table in this file's format, for A/B runs of the whole step
 TUNED = os.environ.get("LUCEBOX_MGPU_TUNED") or os.path.join(
@@ -107,9 +104,7 @@ def with_decode(cfg, k: int, n: int, g: int, bits: int):
     if cfg is None:
         return cfg
     alt = dataclasses.replace(cfg, split_decode=DECODE == "split")
-    cfg = alt if mg.check_config(k, n, g, bits, alt) is None else dataclasses.replace(cfg, split_decode=False)
-    alt = dataclasses.replace(cfg, fma=FMA)  # (symmetric weights have no min: the kernel ignores it there)
-    return alt if mg.check_config(k, n, g, bits, alt) is None else dataclasses.replace(cfg, fma=False)
+    return alt if mg.check_config(k, n, g, bits, alt) is None else dataclasses.replace(cfg, split_decode=False)
 
 
 def _bits(w) -> int:

@@ -70,8 +70,6 @@ class MgpuConfig:
     #                             register decoded by a shift, a LOP3 and a subtract (`_decode_split`), where
     #                             Mosaic's cast takes a PRMT, a LOP3 and a subtract a register, and a shift a word.
     #                             It asks for that order at repack; like `loads`, the kernel then follows the weight
-    fma: bool = False  # asymmetric weights on perm loads: scale and min as one bf16x2 FMA a register (`_fma`: one
-    #                    rounding), not a multiply then an add
 
 
 # How a compute warpgroup brings a [tile_m, g] block of codes from shared memory into wgmma's register layout:
@@ -241,8 +239,6 @@ def check_config(k: int, n: int, g: int, bits: int, cfg: MgpuConfig) -> str | No
         return "lhs_smem on perm loads: undoing the stored K order takes a transpose Mosaic GPU does not lower"
     if cfg.split_decode and not (cfg.loads == "perm" and perm_ok(cg, bits)):
         return "split_decode needs perm loads (int4 in groups of 64, 128 or 256, or of 32 paired)"
-    if cfg.fma and cfg.loads != "perm":
-        return "fma takes perm loads (their register path; the others keep warpgroup semantics)"
     return None
 
 
@@ -363,35 +359,6 @@ def _halves(a: jax.Array, b: jax.Array, interpret: bool = False) -> jax.Array:
     return pick(a, b)
 
 
-def _fma(a: jax.Array, s: jax.Array, m: jax.Array, interpret: bool = False) -> jax.Array:
-    """a * s + m for bf16 arrays in the WGMMA layout, one `fma.rn.bf16x2` a register: one rounding where a multiply
-    then an add round twice (and issue two instructions)."""
-    if interpret:
-        return (a.astype(jnp.float32) * s.astype(jnp.float32) + m.astype(jnp.float32)).astype(jnp.bfloat16)
-    import jax.experimental.mosaic.gpu as mgpu
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    import numpy as np
-    from jax._src.lib.mlir import ir
-    from jax._src.lib.mlir.dialects import llvm
-    from jax.experimental.mosaic.gpu import utils as mgpu_utils
-
-    wgmma = plgpu.Layout.WGMMA
-
-    @plgpu.inline_mgpu(arg_types=(wgmma, wgmma, wgmma),
-                       return_type=plgpu.ShapeDtypeStruct(a.shape, jnp.bfloat16, layout=wgmma))
-    def fma(_, x, y, z):
-        i32 = ir.IntegerType.get_signless(32)
-        bf16x2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        out = np.empty(x.registers.shape, dtype=object)
-        for idx in np.ndindex(out.shape):
-            ops = [mgpu_utils.bitcast(v.registers[idx], i32) for v in (x, y, z)]
-            r = llvm.inline_asm(i32, ops, "fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r")
-            out[idx] = mgpu_utils.bitcast(r, bf16x2)
-        return mgpu.FragmentedArray(_registers=out, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-
-    return fma(a, s, m)
-
-
 def _same_kernel_same_name() -> None:
     """jax 0.11.2 names every Pallas Mosaic-GPU kernel it lowers `kernel_<counter>` inside the module (the attribute
     `mosaic_gpu.dump_basename`), so the 32 layers' identical kernels hash differently and each is compiled on its
@@ -481,7 +448,6 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
     a_tf = (plgpu.TilingTransform((8, a_swz * 8 // 16)), plgpu.SwizzleTransform(a_swz))
 
     copy_x = cfg.probe != "skip_x"
-    fma = cfg.fma and loads == "perm"  # (interpreted: the same single rounding in jnp)
 
     def kernel(x_gmem, c_gmem, s_gmem, *rest, out_smem, a_smem=None, x_scratch=None):
         if asym:
@@ -545,12 +511,9 @@ def mgpu_matmul(x: jax.Array, w: MgpuWeight, cfg: MgpuConfig = MgpuConfig(), *, 
                     wq = plgpu.load(c_smem.at[j, wrows, :], layout=plgpu.Layout.WGMMA_UPCAST_4X)
                     # like the load path, the decode follows the weight (repacked once, for M = 1's configuration)
                     wq = _decode_split(wq) if w.k_split else _as_wgmma_layout(wq.astype(jnp.bfloat16))
-                if asym and scaled and fma:  # (`after` is never asymmetric)
-                    wv = _fma(wq, per_row(s_smem, j), per_row(mn_smem, j), interpret=lhs_smem)
-                else:
-                    wv = wq if not scaled or after else wq * per_row(s_smem, j)
-                    if asym and scaled:
-                        wv = wv + per_row(mn_smem, j)
+                wv = wq if not scaled or after else wq * per_row(s_smem, j)
+                if asym and scaled:  # (`after` is never asymmetric)
+                    wv = wv + per_row(mn_smem, j)
                 if lhs_smem:  # (one buffer per group: a later group must not overwrite an unread one)
                     a_smem[lax.axis_index("wg"), j] = wv
                     plgpu.commit_smem()

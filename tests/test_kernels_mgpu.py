@@ -308,38 +308,21 @@ def test_a_paired_entry_repacks_g32_in_pairs_and_every_row_count_follows(monkeyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n,split,stream,fma", [(1, 4096, 28672, True, False, False),
-                                                    (1, 4096, 6144, True, False, False),
-                                                    (16, 4096, 4096, False, False, False),
-                                                    (1, 14336, 4096, True, True, False),
-                                                    (40, 4096, 28672, True, False, False),
-                                                    (9, 4096, 128256, True, False, False),
-                                                    (1, 4096, 28672, True, False, True),
-                                                    (1, 14336, 4096, True, True, True),
-                                                    (40, 4096, 28672, False, False, True)])
-def test_paired_g32_matches_reference_on_hopper(m, k, n, split, stream, fma):
+@pytest.mark.parametrize("m,k,n,split,stream", [(1, 4096, 28672, True, False), (1, 4096, 6144, True, False),
+                                                (16, 4096, 4096, False, False), (1, 14336, 4096, True, True),
+                                                (40, 4096, 28672, True, False), (9, 4096, 128256, True, False)])
+def test_paired_g32_matches_reference_on_hopper(m, k, n, split, stream):
     """Int4 g32 with mins (Q4_1 / Q4_K imports) stored two groups a row (`pair`): the compiled register path (perm
-    loads, split or Mosaic's decode, each half scaled by `_halves`, which the interpreter does in jnp; with `fma` the
-    scale and min in one bf16x2 FMA, `_fma`'s inline PTX) against the float32 product on 8B shapes."""
+    loads, split or Mosaic's decode, each half scaled by `_halves`, which the interpreter does in jnp) against the
+    float32 product on 8B shapes."""
     if kernels_mgpu.hopper_reason():
         pytest.skip(kernels_mgpu.hopper_reason())
 
     rng = np.random.default_rng(m + n + k + 2)
     w = quantize_int4((rng.standard_normal((k, n)) * k ** -0.5).astype(np.float32), group_size=32)
     pw = mg.repack(w, k_perm=True, k_split=split, k_pair=True)
-    cfg = dataclasses.replace(mg.default_config(m, k, n, 32, 4, pair=True), split_decode=split, fma=fma)
+    cfg = dataclasses.replace(mg.default_config(m, k, n, 32, 4, pair=True), split_decode=split)
     _check_compiled(w, pw, cfg, rng, m, stream)
-
-
-def test_fma_knob_takes_perm_loads_only(monkeypatch):
-    """LUCEBOX_MGPU_FMA (`kernels_mgpu.FMA`): configurations on perm loads (paired g32, g128) get `fma`; a g32 weight
-    stored a group a row (narrow loads) and the knob off do not."""
-    for on in (True, False):
-        monkeypatch.setattr(kernels_mgpu, "FMA", on)
-        assert kernels_mgpu.config_for(1, 256, 128, 32, 4, pair=True).fma == on
-        assert kernels_mgpu.config_for(1, 256, 128, 128, 4).fma == on
-        narrow = kernels_mgpu.with_decode(mg.MgpuConfig(loads="narrow"), 256, 128, 32, 4)
-        assert not narrow.fma and mg.check_config(256, 128, 32, 4, dataclasses.replace(narrow, fma=True))
 
 
 def test_best_is_the_hopper_default_only():

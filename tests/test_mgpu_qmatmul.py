@@ -428,10 +428,9 @@ def test_paired_g32_repack_is_the_same_weight(sym):
     assert mg.check_config(4096, 4096, 32, 4, mg.MgpuConfig(split_decode=True))  # unpaired g32 cannot split
 
 
-@pytest.mark.parametrize("sym,split,fma", [(False, True, False), (True, False, False), (False, True, True)])
-def test_paired_g32_interprets_like_the_reference(sym, split, fma):
-    """Each half of a paired row takes its own group's scale (and offset): split-K, a 24-token tile and stream-K;
-    with `fma` (scale and min in one rounding) too."""
+@pytest.mark.parametrize("sym,split", [(False, True), (True, False)])
+def test_paired_g32_interprets_like_the_reference(sym, split):
+    """Each half of a paired row takes its own group's scale (and offset): split-K, a 24-token tile and stream-K."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     rng = np.random.default_rng(12)
@@ -441,21 +440,19 @@ def test_paired_g32_interprets_like_the_reference(sym, split, fma):
                    (20, mg.MgpuConfig(tile_m=64, compute_wgs=1, groups=2, tile_t=24, pair=True)),
                    (5, mg.MgpuConfig(tile_m=64, compute_wgs=2, groups=1, stream_k=True, pair=True))]:
         x = jnp.asarray(rng.standard_normal((m, 256)), jnp.bfloat16)
-        y = mg.mgpu_matmul(x, pw, dataclasses.replace(cfg, fma=fma), num_sms=5, interpret=plgpu.InterpretGPUParams())
+        y = mg.mgpu_matmul(x, pw, cfg, num_sms=5, interpret=plgpu.InterpretGPUParams())
         assert y.shape == (m, 256)
         assert _rel(y, jnp.dot(x.astype(jnp.float32), dequantize(w))) < 1e-2
 
 
-@pytest.mark.parametrize("k,n,m,split,stream,fma", [(4096, 28672, 1, True, False, False),
-                                                    (4096, 6144, 16, False, False, False),
-                                                    (14336, 4096, 1, True, True, False),
-                                                    (4096, 28672, 1, True, False, True)])
-def test_paired_g32_lowers_for_h200(k, n, m, split, stream, fma):
-    """The register path of paired rows (perm loads, split or Mosaic's decode, each half scaled by `_halves`, or with
-    `fma` by `_fma`) lowers for an abstract H200 at 8B shapes with mins; among the g32 candidates are paired twins."""
+@pytest.mark.parametrize("k,n,m,split,stream", [(4096, 28672, 1, True, False), (4096, 6144, 16, False, False),
+                                                (14336, 4096, 1, True, True)])
+def test_paired_g32_lowers_for_h200(k, n, m, split, stream):
+    """The register path of paired rows (perm loads, split or Mosaic's decode, each half scaled by `_halves`) lowers
+    for an abstract H200 at 8B shapes with mins; among the g32 candidates are paired twins."""
     sds = jax.ShapeDtypeStruct
     cfg = mg.default_config(m, k, n, 32, 4, pair=True)
-    cfg = dataclasses.replace(cfg, split_decode=split, fma=fma, **(dict(stream_k=True, split_k=1) if stream else {}))
+    cfg = dataclasses.replace(cfg, split_decode=split, **(dict(stream_k=True, split_k=1) if stream else {}))
     assert cfg.pair and mg.check_config(k, n, 32, 4, cfg) is None
     assert any(c.pair for c in mg.candidate_configs(m, k, n, 32, 4))
     w = mg.MgpuWeight(codes=sds((k // 64, n, 64), jnp.int4), scales=sds((k // 32, n), jnp.float16),
