@@ -34,21 +34,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-
 def weight_spec(k: int, n: int, g: int, bits: int, cfg, sharding):
     """An abstract weight as `kernels_mgpu` repacks it for `cfg` (codes order and rows follow the configuration)."""
     import jax
     import jax.numpy as jnp
 
+    from lucebox_jax import kernels_mgpu as km
     from pallas_kernels import mgpu_qmatmul as mg
 
-    perm = cfg.loads == "perm" and (mg.perm_ok(g, bits) or cfg.pair)
     cg = 2 * g if cfg.pair else g
     sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)  # noqa: E731
     return mg.MgpuWeight(codes=sds((k // cg, n, cg), jnp.int4 if bits == 4 else jnp.int8),
                          scales=sds((k // g, n), jnp.float16),
                          offsets=sds((k // g, n), jnp.float16) if bits == 4 and g == 32 else None,
-                         group_size=g, bits=bits, k_perm=perm, k_split=perm and cfg.split_decode, k_pair=cfg.pair)
+                         group_size=g, bits=bits, **km.stored_order(cfg, g, bits))
 
 
 def compile_case(case: str, model: str, group: int, m: int, dev) -> tuple[object, str, str]:
@@ -88,7 +87,7 @@ def instruction_counts(ptx: str) -> collections.Counter:
     for stmt in re.split(r"[;{}]", ptx):
         stmt = re.sub(r"^\s*(\$?\w+:\s*)?(@!?%\w+\s+)?", "", stmt)
         op = re.match(r"[a-z][\w.]*", stmt)
-        if op and not op.group().startswith((".", "ret")) and "(" not in op.group():
+        if op and op.group() != "ret":
             ops[op.group()] += 1
     return ops
 

@@ -124,13 +124,18 @@ def measured_faster(w) -> bool:
 
 
 def _repack(w):
-    from pallas_kernels import mgpu_qmatmul as mg
-
     k, n = w.shape
     g, bits = w.group_size, _bits(w)
     cfg = config_for(1, k, n, g, bits)
+    return _repack_jit()(w, **stored_order(cfg, g, bits))
+
+
+def stored_order(cfg, g: int, bits: int) -> dict:
+    """The repack knobs (`mgpu_qmatmul.repack`) that serve `cfg`: the K order its loads and decode want, its rows."""
+    from pallas_kernels import mgpu_qmatmul as mg
+
     k_perm = (mg.perm_ok(g, bits) or cfg.pair) and cfg.loads == "perm"
-    return _repack_jit()(w, k_perm=k_perm, k_split=k_perm and cfg.split_decode, k_pair=cfg.pair)
+    return dict(k_perm=k_perm, k_split=k_perm and cfg.split_decode, k_pair=cfg.pair)
 
 
 @functools.lru_cache(maxsize=1)
