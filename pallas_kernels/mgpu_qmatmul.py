@@ -7,9 +7,9 @@ step with one token still fills the tensor-core tile from the weight. The sums a
 The weight is repacked once at load time (`repack`) into a group-major layout whose pipeline step is a clean TMA box:
 
   codes    int4 (or int8) [K // g, N, g]  signed: c = q - 8 for int4 (the engine's `QuantArray` stores q in 0..15)
-  scales   float16/32     [K // g, N]     unchanged from `QuantArray` / `Int8Array`
-  offsets  like scales    [K // g, N]     or None (symmetric): mins + 8 * scales for int4 (folding back the shift),
-                                          mins for int8
+  scales   float16/32     [K // g, N]     unchanged from `QuantArray` / `Int8Array` if symmetric; bf16 with mins
+  offsets  bf16           [K // g, N]     or None (symmetric): mins + 8 * scales for int4 (folding back the shift,
+                                          rounded to the scales' dtype first), mins for int8
   value    = scales * c + offsets
 
 Each pipeline step brings `groups` groups of one CTA's rows: codes [groups, 2 * tile_m, g], their scales and offsets,
@@ -179,7 +179,12 @@ def repack(w, k_perm: bool = False, k_split: bool = False, k_pair: bool = False)
             raise ValueError(f"k_perm needs int4 codes in groups of 64, 128 or 256, not {bits}-bit g{g}")
         codes = codes[:, :, jnp.asarray(perm_k(cg, k_split))]
     codes = codes.astype(jnp.int4) if bits == 4 else codes.astype(jnp.int8)
-    return MgpuWeight(codes=codes, scales=w.scales, offsets=offsets, group_size=g, bits=bits, k_perm=k_perm,
+    scales = w.scales
+    if offsets is not None:
+        # with mins the kernel always scales before the wgmma, in bf16: stored so, it loads them ready (the same
+        # values it rounded to before; 48 fewer SASS instructions a step at 8B gate+up g32, `benchmarks/mgpu_ptx.py`)
+        scales, offsets = scales.astype(jnp.bfloat16), offsets.astype(jnp.bfloat16)
+    return MgpuWeight(codes=codes, scales=scales, offsets=offsets, group_size=g, bits=bits, k_perm=k_perm,
                       k_split=k_split, k_pair=k_pair)
 
 
