@@ -14,5 +14,6 @@ SITE="$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')"
 AOT_SITE="$(.venv-aot/bin/python -c 'import site; print(site.getsitepackages()[0])')"
 echo "$SITE" > "$AOT_SITE/zz_project_venv.pth"  # after .venv-aot's own packages: the plugin comes from here
 .venv-aot/bin/python -m pip -q --disable-pip-version-check install \
-  "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "jax-cuda${CUDA_MAJOR}-plugin[with-cuda]==$JAX_VERSION"
+  "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION" "jax-cuda${CUDA_MAJOR}-plugin[with-cuda]==$JAX_VERSION" \
+  "nvidia-cuda-nvdisasm==${CUDA_MAJOR}.*"  # (SASS for benchmarks/mgpu_ptx.py --sass)
 echo "setup_aot: ready; run e.g.  .venv-aot/bin/python benchmarks/kernel_count.py" >&2
