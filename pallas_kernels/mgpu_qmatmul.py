@@ -149,6 +149,11 @@ def unperm_k(a: jax.Array, split: bool = False) -> jax.Array:
     return jnp.swapaxes(a, -3, -2).reshape(*lead, g)
 
 
+# LUCEBOX_MGPU_SCALES (read at import; an A/B knob): `stored` keeps a weight-with-mins' scales and offsets in the
+# scales' own dtype, as before the bf16 default (the kernel then converts them every step; the same values)
+BF16_SCALES = os.environ.get("LUCEBOX_MGPU_SCALES", "bf16") != "stored"
+
+
 def repack(w, k_perm: bool = False, k_split: bool = False, k_pair: bool = False) -> MgpuWeight:
     """QuantArray (half-split uint8 [K/2, N]) or Int8Array ([K, N]) -> group-major signed codes [K/g, N, g];
     `k_perm` (int4, `perm_ok`) stores each group's K in `perm_k` order for `loads="perm"` (`k_split`: its split
@@ -180,7 +185,7 @@ def repack(w, k_perm: bool = False, k_split: bool = False, k_pair: bool = False)
         codes = codes[:, :, jnp.asarray(perm_k(cg, k_split))]
     codes = codes.astype(jnp.int4) if bits == 4 else codes.astype(jnp.int8)
     scales = w.scales
-    if offsets is not None:
+    if offsets is not None and BF16_SCALES:
         # with mins the kernel always scales before the wgmma, in bf16: stored so, it loads them ready (the same
         # values it rounded to before; 48 fewer SASS instructions a step at 8B gate+up g32, `benchmarks/mgpu_ptx.py`)
         scales, offsets = scales.astype(jnp.bfloat16), offsets.astype(jnp.bfloat16)

@@ -516,3 +516,13 @@ def test_parts_sum_to_the_product(cfg, n_parts):
     y = mg.mgpu_matmul(x, mg.repack(w), cfg, **kw)
     total = jnp.sum(parts.astype(jnp.float32), axis=0)[:3]
     assert (np.asarray(total.astype(jnp.bfloat16)) == np.asarray(y)).all()
+
+
+def test_scales_knob_keeps_a_weight_with_mins_in_its_own_dtype(monkeypatch):
+    w = quantize_int4(np.random.default_rng(5).standard_normal((128, 64)).astype(np.float32), group_size=32,
+                      symmetric=False)
+    monkeypatch.setattr(mg, "BF16_SCALES", False)  # LUCEBOX_MGPU_SCALES=stored
+    mw = mg.repack(w)
+    assert mw.scales.dtype == mw.offsets.dtype == w.scales.dtype
+    np.testing.assert_allclose(np.asarray(mg.dequantize_mgpu(mw)), np.asarray(dequantize(w)), rtol=1e-6,
+                               atol=2.0 ** -11 * float(np.abs(np.asarray(dequantize(w))).max()) * 2)
