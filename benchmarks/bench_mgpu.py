@@ -146,7 +146,10 @@ def main():
             for v in [json.loads(v) for v in args.variants.split(";") if v.strip()] if base else []:
                 cfg = dataclasses.replace(base, **v)
                 cfg = cfg if "split_decode" in v else km.with_decode(cfg, k, n, g, bits)  # (e.g. other loads: off)
-                if not mg.check_config(k, n, g, bits, cfg):
+                if why := mg.check_config(k, n, g, bits, cfg):  # (e.g. `pair` on the narrow loads g32 falls to)
+                    print(f"  variant {json.dumps(v)} on {label} g{g} M={m} skipped: {why}", flush=True)
+                    RES["errors"].append(f"variant {json.dumps(v)} on {label} g{g} M={m}: {why}")
+                else:
                     first.append(cfg)
             first = list(dict.fromkeys(first))
             cands = [km.with_decode(c, k, n, g, bits) for c in cands]
