@@ -526,3 +526,36 @@ def test_scales_knob_keeps_a_weight_with_mins_in_its_own_dtype(monkeypatch):
     assert mw.scales.dtype == mw.offsets.dtype == w.scales.dtype
     np.testing.assert_allclose(np.asarray(mg.dequantize_mgpu(mw)), np.asarray(dequantize(w)), rtol=1e-6,
                                atol=2.0 ** -11 * float(np.abs(np.asarray(dequantize(w))).max()) * 2)
+
+
+@pytest.mark.parametrize("m", [1, 8, 33])
+@pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-32b", "gemma2-27b-shape"])
+def test_engine_g32_configs_lower_on_the_weights_the_engine_stores(preset, m):
+    """Int4 g32 with mins (a Q4_1 / Q4_K import), every decode matmul of the preset the table gives `mgpu`: the weight
+    repacked as the engine stores it (`kernels_mgpu.stored_order` of the one-row configuration: paired rows where the
+    table says `pair`, bf16 scales), each row count on the configuration the engine then runs (`config_for` with the
+    weight's rows), lowered for an abstract H200."""
+    import functools
+
+    from lucebox_jax import kernels_mgpu as km
+    from lucebox_jax.quant import QuantArray
+    from lucebox_jax.synthetic import PRESETS, decode_matmuls
+
+    sds = jax.ShapeDtypeStruct
+    lowered = 0
+    for label, k, n in decode_matmuls(PRESETS[preset]):
+        entry = km.tuned_table().get(km.tuned_key(16, k, n, 32, 4))
+        if label == "head" or not (entry and entry.get("default")):
+            continue
+        groups = sds((k // 32, n), jnp.float16)
+        w = QuantArray(sds((k // 2, n), jnp.uint8), groups, groups, group_size=32)
+        mw = jax.eval_shape(functools.partial(mg.repack, **km.stored_order(km.config_for(1, k, n, 32, 4), 32, 4)), w)
+        assert mw.scales.dtype == mw.offsets.dtype == jnp.bfloat16 and mw.k_pair == bool(entry["cfg"].get("pair"))
+        cfg = km.config_for(m, k, n, 32, 4, pair=mw.k_pair)
+        assert cfg is not None and cfg.pair == mw.k_pair and mg.check_config(k, n, 32, 4, cfg) is None, (label, cfg)
+        with abstract_h200():
+            txt = jax.jit(lambda x, w, cfg=cfg: mg.mgpu_matmul(x, w, cfg)).trace(
+                sds((m, k), jnp.bfloat16), mw).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in txt, (label, k, n)
+        lowered += 1
+    assert lowered >= 2  # (the table gives every preset's g32 gate+up and down to mgpu)
