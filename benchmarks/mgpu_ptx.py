@@ -40,25 +40,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def weight_spec(k: int, n: int, g: int, bits: int, cfg, sharding):
-    """An abstract weight as `kernels_mgpu` repacks it for `cfg` (`repack` traced: codes order, rows and dtypes
-    follow it). Int4 g32 carries mins (a Q4_1 / Q4_K import), the rest is symmetric."""
-    import functools
-
+    """An abstract weight as the engine stores it for `cfg` (`kernels_mgpu.abstract_weight`), on `sharding`."""
     import jax
-    import jax.numpy as jnp
 
     from lucebox_jax import kernels_mgpu as km
-    from lucebox_jax.quant import Int8Array, QuantArray
-    from pallas_kernels import mgpu_qmatmul as mg
 
-    sds = jax.ShapeDtypeStruct
-    groups = sds((k // g, n), jnp.float16)
-    if bits == 4:
-        w = QuantArray(sds((k // 2, n), jnp.uint8), groups, groups if g == 32 else None, group_size=g)
-    else:
-        w = Int8Array(sds((k, n), jnp.int8), groups, group_size=g)
-    out = jax.eval_shape(functools.partial(mg.repack, **km.stored_order(cfg, g, bits)), w)
-    return jax.tree.map(lambda a: sds(a.shape, a.dtype, sharding=sharding), out)
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        km.abstract_weight(k, n, g, bits, cfg))
 
 
 def compile_case(case: str, model: str, group: int, m: int, dev) -> tuple[object, str, str]:

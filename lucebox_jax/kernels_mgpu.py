@@ -20,6 +20,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 
 from . import ops
 from .quant import Int8Array, QuantArray
@@ -136,6 +137,21 @@ def stored_order(cfg, g: int, bits: int) -> dict:
 
     k_perm = (mg.perm_ok(g, bits) or cfg.pair) and cfg.loads == "perm"
     return dict(k_perm=k_perm, k_split=k_perm and cfg.split_decode, k_pair=cfg.pair)
+
+
+def abstract_weight(k: int, n: int, g: int, bits: int, cfg):
+    """A [K, N] weight as `_repack` stores it for `cfg`, without data (`repack` traced: its dtypes, code order and
+    rows), for lowering and compiling on a machine without the GPU: int4 g32 with mins (a Q4_1 / Q4_K import), other
+    int4 groups and int8 symmetric."""
+    from pallas_kernels import mgpu_qmatmul as mg
+
+    sds = jax.ShapeDtypeStruct
+    groups = sds((k // g, n), jnp.float16)
+    if bits == 4:
+        w = QuantArray(sds((k // 2, n), jnp.uint8), groups, groups if g == 32 else None, group_size=g)
+    else:
+        w = Int8Array(sds((k, n), jnp.int8), groups, group_size=g)
+    return jax.eval_shape(functools.partial(mg.repack, **stored_order(cfg, g, bits)), w)
 
 
 @functools.lru_cache(maxsize=1)

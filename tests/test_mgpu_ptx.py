@@ -30,6 +30,7 @@ def test_instruction_counts_take_inline_asm_and_skip_directives():
     ops = mgpu_ptx.instruction_counts(PTX)
     assert ops == {"fma.rn.bf16x2": 2, "shr.b32": 1, "lop3.b32": 1, "mov.b32": 1, "sub.bf16x2": 1, "bra": 1}
 
+
 SASS = """
 kernel_mosaic_gpu_kernel:
    -:-:-:Y:01        /*0000*/                   LDC R1, c[0x0][0x28] ;

@@ -532,13 +532,10 @@ def test_scales_knob_keeps_a_weight_with_mins_in_its_own_dtype(monkeypatch):
 @pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-32b", "gemma2-27b-shape"])
 def test_engine_g32_configs_lower_on_the_weights_the_engine_stores(preset, m):
     """Int4 g32 with mins (a Q4_1 / Q4_K import), every decode matmul of the preset the table gives `mgpu`: the weight
-    repacked as the engine stores it (`kernels_mgpu.stored_order` of the one-row configuration: paired rows where the
+    repacked as the engine stores it (`kernels_mgpu.abstract_weight` for the one-row configuration: paired rows where the
     table says `pair`, bf16 scales), each row count on the configuration the engine then runs (`config_for` with the
     weight's rows), lowered for an abstract H200."""
-    import functools
-
     from lucebox_jax import kernels_mgpu as km
-    from lucebox_jax.quant import QuantArray
     from lucebox_jax.synthetic import PRESETS, decode_matmuls
 
     sds = jax.ShapeDtypeStruct
@@ -547,9 +544,7 @@ def test_engine_g32_configs_lower_on_the_weights_the_engine_stores(preset, m):
         entry = km.tuned_table().get(km.tuned_key(16, k, n, 32, 4))
         if label == "head" or not (entry and entry.get("default")):
             continue
-        groups = sds((k // 32, n), jnp.float16)
-        w = QuantArray(sds((k // 2, n), jnp.uint8), groups, groups, group_size=32)
-        mw = jax.eval_shape(functools.partial(mg.repack, **km.stored_order(km.config_for(1, k, n, 32, 4), 32, 4)), w)
+        mw = km.abstract_weight(k, n, 32, 4, km.config_for(1, k, n, 32, 4))
         assert mw.scales.dtype == mw.offsets.dtype == jnp.bfloat16 and mw.k_pair == bool(entry["cfg"].get("pair"))
         cfg = km.config_for(m, k, n, 32, 4, pair=mw.k_pair)
         assert cfg is not None and cfg.pair == mw.k_pair and mg.check_config(k, n, 32, 4, cfg) is None, (label, cfg)
