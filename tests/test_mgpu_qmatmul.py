@@ -532,9 +532,9 @@ def test_scales_knob_keeps_a_weight_with_mins_in_its_own_dtype(monkeypatch):
 @pytest.mark.parametrize("preset", ["llama3-8b", "qwen3-32b", "gemma2-27b-shape"])
 def test_engine_g32_configs_lower_on_the_weights_the_engine_stores(preset, m):
     """Int4 g32 with mins (a Q4_1 / Q4_K import), every decode matmul of the preset the table gives `mgpu`: the weight
-    repacked as the engine stores it (`kernels_mgpu.abstract_weight` for the one-row configuration: paired rows where the
-    table says `pair`, bf16 scales), each row count on the configuration the engine then runs (`config_for` with the
-    weight's rows), lowered for an abstract H200."""
+    repacked as the engine stores it (`kernels_mgpu.abstract_weight` for the one-row configuration: paired rows where
+    the table says `pair`, bf16 scales), each row count on the configuration the engine then runs (`config_for` with
+    the weight's rows), lowered for an abstract H200."""
     from lucebox_jax import kernels_mgpu as km
     from lucebox_jax.synthetic import PRESETS, decode_matmuls
 
