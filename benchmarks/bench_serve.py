@@ -79,6 +79,9 @@ def parse_args(argv=None):
     p.add_argument("--offline-reps", type=int, default=3, help="offline runs per level; the ratio uses their median")
     p.add_argument("--warmup", choices=("full", "basic"), default="full", help="the server's --warmup")
     p.add_argument("--small", action="store_true", help="tiny sizes for a CPU smoke run")
+    p.add_argument("--trace", type=int, default=0,
+                   help="keep the host loop's last N events on both sides (LUCEBOX_LOOP_TRACE) and write them, with "
+                        "each request's send / first chunk / end stamps, to trace_<clients>.json")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     a.clients = [int(x) for x in (a.clients or ("1,4" if a.small else "1,8,32,128")).split(",")]
@@ -124,7 +127,8 @@ def start_server(a, slots: int, out_dir: str, deadline: float, engine_process: b
            # named both ways: the server's own default is the engine process on a GPU
            ["--engine-process" if engine_process else "--no-engine-process"])
     logf = open(os.path.join(out_dir, f"server_{slots}{'_ep' if engine_process else ''}.log"), "w")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT)
+    env = {**os.environ, **({"LUCEBOX_LOOP_TRACE": str(a.trace)} if a.trace else {})}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=logf, stderr=subprocess.STDOUT, env=env)
     t0 = time.perf_counter()
     while time.time() < deadline:
         if proc.poll() is not None:
@@ -243,6 +247,10 @@ def bench_server_level(a, n, out_dir, deadline, engine_process: bool = False):
         row["failures"] = [f for r in rows for f in r["failures"]][:5]
         row["server_latency_ms"] = after.get("latency_ms")  # the server's split of TTFT: inbox, then to first token
         row["server_loop"] = loop_delta(before.get("loop"), after.get("loop"), sum(w for _, w in runs))
+        if a.trace:
+            row["_trace"] = {"loop": (after.get("loop") or {}).get("trace", []),
+                             "requests": [[(r["t0"], r["stamps"][0] if r["stamps"] else None, r["end"]) for r in reqs]
+                                          for reqs, _ in runs]}
         # a compile inside the measured run is a multi-second stall for every stream: count them
         row["compiles_during_run"] = after.get("compiled_shapes", 0) - before.get("compiled_shapes", 0)
         row["compile_s_during_run"] = round(after.get("compile_seconds", 0) - before.get("compile_seconds", 0), 2)
@@ -268,12 +276,60 @@ def loop_delta(before: dict | None, after: dict | None, wall: float) -> dict | N
         return None
     before = before or {}
     d = {k: after.get(k, 0) - before.get(k, 0)
-         for k in ("decode_calls", "decode_s", "admit_s", "busy_slot_calls", "prefill_calls")}
+         for k in ("decode_calls", "decode_s", "wait_s", "admit_s", "busy_slot_calls", "prefill_calls")}
     return {"decode_calls": d["decode_calls"], "prefill_calls": d["prefill_calls"],
             "decode_share": round(d["decode_s"] / wall, 3) if wall else None,
+            "wait_share": round(d["wait_s"] / wall, 3) if wall else None,
             "admit_share": round(d["admit_s"] / wall, 3) if wall else None,
             "occupancy": round(d["busy_slot_calls"] / (d["decode_calls"] * after["slots"]), 3)
             if d["decode_calls"] else None}
+
+
+def trace_summary(events, windows=None) -> dict:
+    """The host loop's trace (Scheduler, LUCEBOX_LOOP_TRACE) in a few figures, ms per decode call unless named:
+    `call` the host's view of a call (dispatch until its tokens were read), `waited` the part of it spent blocked on
+    the device, `late` the share of calls whose tokens the host found ready (waited < 0.05 ms: the device may have
+    idled before the host came), `gap` from a call's tokens read to the next dispatch (the device idle between
+    calls without lookahead: reads, admissions, the feed), `hooks` / `handback` the streaming hooks and the caller's
+    time on finished requests a round, `admit` ms an admission, `feed_blocked_s` the loop blocked on an empty feed,
+    `inbox_ms` arrival (\"s\", the server) to the next admission's start. `windows`: (start, end) pairs, the
+    measured runs: only events starting inside one count (not the warm-up's)."""
+    ev = sorted((tuple(e) for e in events if windows is None or any(a <= e[1] <= b for a, b in windows)),
+                key=lambda e: e[1])
+    if not ev:
+        return {}
+    disp = [e for e in ev if e[0] == "d"]
+    waits = [e for e in ev if e[0] == "w"]
+    calls, waited, gaps = [], [], []
+    for d, w in zip(disp, waits):  # without lookahead each dispatch's tokens are read at the next wait
+        calls.append(w[2] - d[1])
+        waited.append(w[2] - w[1])
+    for w in waits:
+        nxt = next((d for d in disp if d[1] >= w[2]), None)
+        if nxt is not None:
+            gaps.append(nxt[1] - w[2])
+    adm = [e[2] - e[1] for e in ev if e[0] == "a"]
+    admit_starts = [e[1] for e in ev if e[0] == "a"]
+    inbox = []
+    for e in ev:
+        if e[0] == "s":
+            nxt = next((t for t in admit_starts if t >= e[1]), None)
+            if nxt is not None:
+                inbox.append(nxt - e[1])
+
+    def ms(xs):
+        return round(1e3 * float(np.mean(xs)), 3) if xs else None
+
+    span = (sum(b - a for a, b in windows) if windows
+            else max(e[2] if e[0] in "wafyh" else e[1] for e in ev) - ev[0][1])
+    return {"span_s": round(span, 3), "calls": len(disp), "rows_mean": round(float(np.mean([d[2] for d in disp])), 2)
+            if disp else None, "call": ms(calls), "waited": ms(waited),
+            "late": round(float(np.mean([x < 5e-5 for x in waited])), 3) if waited else None,
+            "gap": ms(gaps), "gap_share": round(sum(gaps) / span, 3) if span > 0 else None,
+            "hooks": ms([e[2] - e[1] for e in ev if e[0] == "h"]),
+            "handback": ms([e[2] - e[1] for e in ev if e[0] == "y"]), "admissions": len(adm), "admit": ms(adm),
+            "feed_blocked_s": round(sum(e[2] - e[1] for e in ev if e[0] == "f"), 4),
+            "inbox_ms": ms(inbox)}
 
 
 # ---------------------------------------------------------------------------------------------------- offline side
@@ -294,7 +350,10 @@ def bench_offline(llm, a, n, prompts):
         c0, t0 = eng.compile_seconds, time.perf_counter()
         tokens = sum(len(f.token_ids) for batch in sched.run(reqs(new)) for f in batch)
         dt = time.perf_counter() - t0 - (eng.compile_seconds - c0)
-        return tokens, dt, loop_delta(None, sched.loop_stats(), dt)
+        loop = loop_delta(None, sched.loop_stats(), dt)
+        if sched.trace is not None:
+            loop["_trace"] = list(sched.trace)
+        return tokens, dt, loop
 
     run(4)  # warm-up: the same shapes
     # a run of ~3 s varied by up to 23% between runs on one H200 (2026-12-04, seventh session): the ratio's denominator
@@ -317,6 +376,8 @@ def main(argv=None):
     os.makedirs(out_dir, exist_ok=True)
     # the server processes and this one (offline runs) share the GPU: no process may take most of its memory
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    if a.trace:  # the offline side's schedulers (this process) keep a trace too
+        os.environ["LUCEBOX_LOOP_TRACE"] = str(a.trace)
     import jax
 
     result = {"device": str(jax.devices()[0]), "args": {k: v for k, v in vars(a).items() if k != "out"},
@@ -356,13 +417,27 @@ def main(argv=None):
                 lv[key] = {"error": f"{type(e).__name__}: {e}"}
                 save()
                 continue
+            trace = row.pop("_trace", None)
             lv[key] = row
             log(f"clients={n}: {key} {row}")
             save()
+            if trace is not None:
+                windows = [(min(r[0] for r in run), max(r[2] for r in run)) for run in trace["requests"] if run]
+                row["trace_summary"] = trace_summary(trace["loop"], windows)
+                with open(os.path.join(out_dir, f"trace_{n}{'_ep' if ep else ''}.json"), "w") as f:
+                    json.dump(trace, f)
+                log(f"clients={n}: {key} loop trace {row['trace_summary']}")
+                save()
         if llm is not None and prompts is not None:  # the ratio's denominator, even past the budget: a level
             # without it says little (the H200's first server start took 161 of 170 s on 2026-12-04 and lost it)
             off = bench_offline(llm, a, n, prompts)
+            trace = off["loop"].pop("_trace", None)
             lv["offline"] = off
+            if trace is not None:
+                off["trace_summary"] = trace_summary(trace)
+                with open(os.path.join(out_dir, f"trace_{n}_offline.json"), "w") as f:
+                    json.dump({"loop": trace}, f)
+                log(f"clients={n}: offline loop trace {off['trace_summary']}")
             for key, _ in modes:
                 if "tok_s" in lv.get(key, {}):
                     lv[f"{key}_over_offline"] = round(lv[key]["tok_s"] / off["tok_s"], 3)
@@ -388,14 +463,15 @@ def main(argv=None):
                          f"{fmt(s['itl_p99_ms'])} | {fmt(s['tpot_p50_ms'], 2)} / {fmt(s['tpot_p99_ms'], 2)} | "
                          f"{s['tokens_per_chunk']} |" + (f" ({s['failed_requests']} requests failed)"
                                                           if s.get("failed_requests") else ""))
-    loops = ["| clients | side | wall in decode calls | wall in admissions (prefill) | slot occupancy | decode calls | "
-             "admissions |", "|---|---|---|---|---|---|---|"]
+    loops = ["| clients | side | wall in decode calls | of it waiting on the device | wall in admissions (prefill) | "
+             "slot occupancy | decode calls | admissions |", "|---|---|---|---|---|---|---|---|"]
     for n, lv in result["levels"].items():
         for side, lp in (("server", (lv.get("server") or {}).get("server_loop")),
                          ("engine process", (lv.get("server_engine_process") or {}).get("server_loop")),
                          ("offline", (lv.get("offline") or {}).get("loop"))):
             if lp:
-                loops.append(f"| {n} | {side} | {lp['decode_share']} | {lp['admit_share']} | {lp['occupancy']} | "
+                loops.append(f"| {n} | {side} | {lp['decode_share']} | {lp.get('wait_share', '-')} | "
+                             f"{lp['admit_share']} | {lp['occupancy']} | "
                              f"{lp['decode_calls']} | {lp.get('prefill_calls', '-')} |")
     if len(loops) > 2:  # where each side's wall clock went (Scheduler.loop_stats)
         lines += [""] + loops

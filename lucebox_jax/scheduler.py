@@ -31,6 +31,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, Iterable, Iterator
 
@@ -206,7 +207,14 @@ class Scheduler:
         self.min_prefill_len = min_prefill_len
         self.state: SlotState | None = None
         # (the timing keys exist from the start: the server's /health copies this while the device thread adds to it)
-        self.stats = collections.Counter({"decode_calls": 0, "decode_s": 0.0, "admit_s": 0.0, "busy_slot_calls": 0})
+        self.stats = collections.Counter({"decode_calls": 0, "decode_s": 0.0, "admit_s": 0.0, "busy_slot_calls": 0,
+                                          "wait_s": 0.0})
+        # LUCEBOX_LOOP_TRACE=N: the host loop's last N events with perf_counter stamps, for bench_serve.py --trace:
+        # ("d", t, rows, exit_after) a decode call dispatched, ("w", t0, t1) the host waiting for a call's tokens,
+        # ("a", t0, t1, rows) an admission, ("f", t0, t1) a feed pull that blocked, ("y", t0, t1, n) the caller's
+        # time on a round's n finished requests
+        n_trace = int(os.environ.get("LUCEBOX_LOOP_TRACE", "0") or 0)
+        self.trace: collections.deque | None = collections.deque(maxlen=n_trace) if n_trace > 0 else None
         # speculation (spec_batch.BatchSpec): off above its slot limit; the cache holds K positions past max_len
         self.spec = spec if spec is not None and slots <= spec.max_slots else None
         self.spec_note = (f"speculation off: {slots} slots > {spec.max_slots}" if spec is not None and self.spec is None
@@ -350,13 +358,17 @@ class Scheduler:
         """Where the host loop's time went so far: seconds in decode calls (dispatch until the host has their tokens;
         the round's first-token reads, hooks and hand-back run inside it, overlapping the device) and in admissions
         (dispatching prefill, first token and insert), decode calls, and occupancy = the mean share of slots holding
-        a request when a decode call starts (rows that finish inside a call count as busy for all of it)."""
+        a request when a decode call starts (rows that finish inside a call count as busy for all of it). wait_s: the
+        part of decode_s the host spent blocked on the device (the rest was host work: a host-bound loop waits little).
+        With LUCEBOX_LOOP_TRACE set, also the trace (see __init__)."""
         st = dict(self.stats)
         calls = st.get("decode_calls", 0)
         return {"slots": self.slots, "decode_calls": calls, "decode_s": round(st.get("decode_s", 0.0), 4),
+                "wait_s": round(st.get("wait_s", 0.0), 4),
                 "admit_s": round(st.get("admit_s", 0.0), 4), "prefill_calls": st.get("prefill_calls", 0),
                 "busy_slot_calls": st.get("busy_slot_calls", 0),
-                "occupancy": round(st.get("busy_slot_calls", 0) / (calls * self.slots), 4) if calls else None}
+                "occupancy": round(st.get("busy_slot_calls", 0) / (calls * self.slots), 4) if calls else None,
+                **({"trace": list(self.trace)} if self.trace is not None else {})}
 
     def spec_stats(self) -> dict | None:
         """Acceptance over the run (spec_batch.BatchSpec.stats); None without a drafter, {"off": why} when the slot
@@ -433,6 +445,7 @@ class Scheduler:
         seq = 0  # decode calls dispatched so far: a row's tokens count from call `_Active.since` on
         ahead = self.lookahead and self.spec is None  # (a speculative call is read back at dispatch: no lookahead)
         late: list[tuple[list[int], jax.Array]] = []  # lookahead: last round's admissions, first tokens unread
+        trace = self.trace
 
         def dispatch():
             nonlocal seq
@@ -441,6 +454,8 @@ class Scheduler:
                           else 1 if self.exit_on_finish else self.slots + 1)
             t0 = time.perf_counter()
             inflight.append((self._decode(retire, exit_after, active), t0, seq))
+            if trace is not None:
+                trace.append(("d", t0, len(active), exit_after))
             seq += 1
             self.stats["busy_slot_calls"] += len(active)
             retire[:] = False
@@ -475,18 +490,27 @@ class Scheduler:
                 late = []
             if inflight and (len(inflight) > 1 or not ahead or not active):
                 buf, t_sent, n = inflight.popleft()
+                t_w = time.perf_counter()
                 buf = np.asarray(buf)  # waits for that call
-                self.stats["decode_s"] += time.perf_counter() - t_sent  # dispatch to tokens on the host
+                t_got = time.perf_counter()
+                self.stats["decode_s"] += t_got - t_sent  # dispatch to tokens on the host
+                self.stats["wait_s"] += t_got - t_w  # of which the host had nothing to do but wait
+                if trace is not None:
+                    trace.append(("w", t_w, t_got))
                 for s in list(active):
                     if active[s].since > n:  # admitted after call n was dispatched: its row there is not this request
                         continue
                     settle(s, [int(t) for t in buf[s][buf[s] >= 0]], done_now, hooked)
             while not exhausted and len(waiting) < self.slots + self.max_prefill_batch:
+                t_f = time.perf_counter()
                 try:
                     r = next(it)
                 except StopIteration:
                     exhausted = True
                     break
+                finally:
+                    if trace is not None and time.perf_counter() - t_f > 2e-4:
+                        trace.append(("f", t_f, time.perf_counter()))
                 if r is None:  # a live feed (serve/) with nothing new now: decode, then ask again
                     break
                 self.validate(r)
@@ -503,6 +527,8 @@ class Scheduler:
                 t0 = time.perf_counter()
                 admitted.append((slots, self._admit(group, slots)))
                 self.stats["admit_s"] += time.perf_counter() - t0
+                if trace is not None:
+                    trace.append(("a", t0, time.perf_counter(), len(group)))
                 for s, r in zip(slots, group):
                     active[s] = _Active(r, [], since=seq)  # its first token is read once a later call is dispatched
                     retire[s] = False
@@ -514,11 +540,17 @@ class Scheduler:
                 first_tokens(admitted, done_now, hooked)
             else:  # lookahead: a call is in flight ahead of these rows' prefills; read them next round
                 late = admitted
+            t_h = time.perf_counter()
             self._hooks(active, free, retire, done_now, hooked)  # on the host while the device decodes
+            if trace is not None and hooked:
+                trace.append(("h", t_h, time.perf_counter(), len(hooked)))
             if done_now:
                 self.stats["completion_tokens"] += sum(len(f.token_ids) for f in done_now)
                 self.stats["requests"] += len(done_now)
+                t_y = time.perf_counter()
                 yield done_now
+                if trace is not None:
+                    trace.append(("y", t_y, time.perf_counter(), len(done_now)))
             if not inflight and not active and exhausted and not waiting:
                 return
 

@@ -86,3 +86,23 @@ def test_offline_side_is_the_median_of_its_runs(tiny_llm):
     loop = off["loop"]  # where the median run's wall clock went (Scheduler.loop_stats)
     assert loop["decode_calls"] > 0 and 0 < loop["decode_share"] <= 1 and 0 < loop["admit_share"] < 1
     assert 0 < loop["occupancy"] <= 1
+
+
+def test_loop_trace_agrees_with_the_loop_counters(tiny_llm, monkeypatch):
+    """LUCEBOX_LOOP_TRACE: the offline side's scheduler records every dispatch, wait and admission, and
+    bench_serve.trace_summary counts the same decode calls and admissions as Scheduler.loop_stats; the wait is part
+    of each call as the host saw it."""
+    import bench_serve
+
+    monkeypatch.setenv("LUCEBOX_LOOP_TRACE", "1000")
+    a = bench_serve.parse_args(["--small", "--offline-reps", "1", "--max-context", "64", "--trace", "1000"])
+    prompts = [[[1, 2, 3, 4]] * 3 for _ in range(2)]
+    off = bench_serve.bench_offline(tiny_llm, a, 2, prompts)
+    trace, loop = off["loop"].pop("_trace"), off["loop"]
+    assert {e[0] for e in trace} >= {"d", "w", "a"}
+    got = bench_serve.trace_summary(trace)
+    assert got["calls"] == loop["decode_calls"] and got["admissions"] == loop["prefill_calls"]
+    assert 0 < got["waited"] <= got["call"] and 0 <= got["late"] <= 1 and got["rows_mean"] <= 2
+    # windows keep only the events that start inside them
+    t0 = min(e[1] for e in trace)
+    assert bench_serve.trace_summary(trace, [(t0 - 2, t0 - 1)]) == {}

@@ -138,6 +138,9 @@ class EngineLoop:
             self.inbox.put_nowait(job)
         except queue.Full:
             raise QueueFull from None
+        trace = self._sched.trace if self._sched is not None else None
+        if trace is not None:  # (LUCEBOX_LOOP_TRACE: arrivals beside the host loop's events)
+            trace.append(("s", job.t_submit))
 
     def start(self):
         self.thread.start()
