@@ -41,6 +41,8 @@ TAG_TREE = 4  # (and 5: the resample) the walk's uniforms
 TAG_TREE_DRAFT = 6  # sampled children
 # LUCEBOX_TREE_SAMPLE=0: sampled rows keep deterministic children in every tree shape (the A/B of bench_spec.py)
 SAMPLE_CHILDREN = os.environ.get("LUCEBOX_TREE_SAMPLE", "1") != "0"
+# LUCEBOX_TREE_WALK=seq: sampled walks node by node along the path (`_walk`, the reference) instead of every node at once
+SEQUENTIAL_WALK = os.environ.get("LUCEBOX_TREE_WALK", "") == "seq"
 
 
 def draft_children(logits, rp, positions, w: int, sample: bool):
@@ -90,10 +92,11 @@ def tree_accept(logits, tokens, parent, depths, rp, keys, pos0, width: int, dept
     `width` children a node, `depth` levels), q [B, 1 + N, V] the distribution each node's children were drawn from
     for sampled rows (None: deterministic children). -> (n accepted [B], path [B, depth] window indices (0 past n), next
     token [B]). An all-greedy batch takes `_walk_greedy` (a few [B, N] ops per depth); with any sampled row the
-    whole batch takes `_walk`, which also serves greedy rows (by argmax) but updates [B, V] distributions at every
-    child it tries."""
+    whole batch takes `_walk_parallel` (`_walk`, its sequential twin, under LUCEBOX_TREE_WALK=seq), which also
+    serves greedy rows (by argmax) but updates distributions over the vocabulary at every child it tries."""
+    walk = _walk if SEQUENTIAL_WALK else _walk_parallel
     return by_temperature(rp, logits.shape[-1], lambda: _walk_greedy(logits, tokens, parent, depths, depth),
-                          lambda *, sort: _walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth, sort, q))
+                          lambda *, sort: walk(logits, tokens, parent, depths, rp, keys, pos0, width, depth, sort, q))
 
 
 def children(parent, width: int):
@@ -196,6 +199,80 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
         jax.random.wrap_key_data(k), pos), TAG_TREE + 1), (v,), jnp.float32))(keys, pos0 + n)
     sampled = jnp.argmax(jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf) + g, axis=-1).astype(jnp.int32)
     nxt = jnp.where(hot, sampled, arg[rows, cur])
+    return n, jnp.stack(path, axis=1), nxt
+
+
+def _walk_parallel(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int, sort: bool = True,
+                   q=None):
+    """`_walk`'s result with the vocabulary work done for every node at once: each node's target distribution, and
+    the tries of its children in window order (accept test, residual after a rejection), run on [B, 1 + N, V] arrays
+    before the walk, which then only follows each node's accepted child ([B, 1 + N] gathers a depth). A node's tries
+    depend on the node alone (its distribution, its children's tokens and uniforms keyed by its own depth), so
+    trying every node, also those off the path, changes no outcome; it trades N times the [V] arithmetic (free on
+    this launch-bound path) for width instead of depth x width rounds of kernels (the sampled 15@5 tree's walk:
+    102 -> 38 kernels, AOT count for an H200)."""
+    b, m, v = logits.shape  # m = 1 + N window slots
+    rows = jnp.arange(b)
+    hot = (rp.temperature > 0)[:, None]  # [B, 1]
+    arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, M]
+
+    def rep(a):  # a row's parameter for each of its M slots
+        return jnp.repeat(a, m, axis=0)
+
+    x = filter_logits(logits.reshape(b * m, v), rep(rp.temperature), rep(rp.top_k), rep(rp.top_p), rep(rp.min_p),
+                      sort=sort)
+    p = jax.nn.softmax(x, axis=-1).reshape(b, m, v)  # every slot's own target distribution
+    zp = jnp.ones((b, m), jnp.float32)
+    qc, zq = (None, None) if q is None else (q, jnp.ones((b, m), jnp.float32))
+    kids = children(parent, width)  # [B, M, width]
+    node = jnp.maximum(kids - 1, 0)  # the child's node index (0 where none)
+    t = jnp.take_along_axis(tokens, node.reshape(b, m * width), axis=1).reshape(b, m, width)
+    dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depths], axis=1)  # each slot's depth (root 0)
+    # the uniform `_walk` draws when it tries a child at depth d of the walk: keyed by (pos0 + d - 1, child node)
+    pos = pos0[:, None, None] + dep[:, :, None] + jnp.zeros_like(node)
+    u = jax.vmap(jax.vmap(jax.vmap(lambda k, ps, i: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
+        jax.random.fold_in(jax.random.wrap_key_data(k), ps), TAG_TREE), i)), (None, 0, 0)), (None, 0, 0)))(
+        keys, pos, node)  # [B, M, width]
+    vocab = jnp.arange(v, dtype=jnp.int32)[None, None, :]
+    found = jnp.zeros((b, m), bool)
+    acc = jnp.zeros((b, m), jnp.int32)  # each slot's accepted child (window index; 0: none)
+    for w in range(width):
+        win, tw, uw = kids[:, :, w], t[:, :, w], u[:, :, w]
+        child = (win > 0) & ~found
+        hit = vocab == tw[:, :, None]
+        pt = jnp.take_along_axis(p, tw[:, :, None], axis=2)[:, :, 0]
+        if q is None:  # deterministic children: q' = one-hot(t)
+            ok = jnp.where(hot, (pt > 0) & (uw * zp < pt), tw == arg) & child
+            rej = child & ~ok & hot
+            p = jnp.where(rej[:, :, None] & hit, 0.0, p)
+            zp = jnp.where(rej, jnp.maximum(zp - pt, 0.0), zp)
+        else:
+            qt = jnp.take_along_axis(qc, tw[:, :, None], axis=2)[:, :, 0]
+            ok = jnp.where(hot, (qt > 0) & (uw * qt * zp < pt * zq), tw == arg) & child
+            rej = child & ~ok & hot & (qt > 0)
+            p = jnp.where(rej[:, :, None], jnp.maximum(p * zq[:, :, None] - qc * zp[:, :, None], 0.0), p)
+            zp = jnp.where(rej, jnp.sum(p, axis=-1), zp)
+            qc = jnp.where(rej[:, :, None] & hit, 0.0, qc)
+            zq = jnp.where(rej, jnp.maximum(zq - qt, 0.0), zq)
+        found = found | ok
+        acc = jnp.where(ok, win, acc)
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    n = jnp.zeros((b,), jnp.int32)
+    path = []
+    for _ in range(depth):
+        nxt = acc[rows, cur]
+        step = alive & (nxt > 0)
+        cur = jnp.where(step, nxt, cur)
+        path.append(jnp.where(step, nxt, 0))
+        n = n + step.astype(jnp.int32)
+        alive = step
+    # the walk ends at `cur`: every child tried and rejected (its residual), or none to try (its own distribution)
+    last = p[rows, cur]
+    g = jax.vmap(lambda k, ps: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(
+        jax.random.wrap_key_data(k), ps), TAG_TREE + 1), (v,), jnp.float32))(keys, pos0 + n)
+    sampled = jnp.argmax(jnp.where(last > 0, jnp.log(jnp.maximum(last, 1e-38)), -jnp.inf) + g, axis=-1)
+    nxt = jnp.where(hot[:, 0], sampled.astype(jnp.int32), arg[rows, cur])
     return n, jnp.stack(path, axis=1), nxt
 
 

@@ -442,3 +442,39 @@ def test_bench_spec_reads_tree_shapes():
     finally:
         sys.path.pop(0)
     assert [bench_spec.parse_tree(x) for x in ("32", "15@5", " 15@5/8")] == [(32, 4, None), (15, 5, None), (15, 5, 8)]
+
+
+@pytest.mark.parametrize("sampled_children", [False, True])
+def test_parallel_walk_equals_the_sequential_walk(sampled_children):
+    """`_walk_parallel` (every node's tries at once, then the path) gives `_walk`'s accepted count, path and next
+    token on random trees, greedy and sampled rows mixed (temperature, top-k, min-p), with deterministic children and
+    with children drawn from a draft distribution q: the same uniforms decide the same tries."""
+    from lucebox_jax.tree import _walk, _walk_parallel
+
+    width, depth, v, b = 3, 4, 7, 96
+    rng = np.random.default_rng(1 + sampled_children)
+    n_nodes = width * depth
+    # peaked logits with tokens often the likely ones, so paths go deep and rejections leave residuals
+    logits = jnp.asarray(3.0 * rng.standard_normal((b, 1 + n_nodes, v)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 3, (b, n_nodes)), jnp.int32)
+    parent = np.zeros((b, n_nodes), np.int32)
+    for d in range(2, depth + 1):
+        lo = (d - 1) * width
+        parent[:, lo:lo + width] = 1 + (d - 2) * width + rng.integers(0, width, (b, width))
+    parent = jnp.asarray(parent)
+    depths = jnp.broadcast_to(jnp.repeat(jnp.arange(1, depth + 1, dtype=jnp.int32), width), (b, n_nodes))
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.3][s % 4], top_k=[0, 0, 4, 0][s % 4],
+                             min_p=[0.0, 0.0, 0.0, 0.05][s % 4], seed=s) for s in range(b)]
+    rp = RowParams.from_params(params)
+    pos = jnp.asarray(rng.integers(3, 40, b), jnp.int32)
+    q = (jax.nn.softmax(jnp.asarray(2.0 * rng.standard_normal((b, 1 + n_nodes, v)), jnp.float32), axis=-1)
+         if sampled_children else None)
+    seq = jax.jit(_walk, static_argnames=("width", "depth", "sort"))(
+        logits, tokens, parent, depths, rp, rp.keys, pos, width=width, depth=depth, sort=True, q=q)
+    par = jax.jit(_walk_parallel, static_argnames=("width", "depth", "sort"))(
+        logits, tokens, parent, depths, rp, rp.keys, pos, width=width, depth=depth, sort=True, q=q)
+    for a, c in zip(seq, par):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+    n = np.asarray(seq[0])
+    hot = np.asarray(rp.temperature) > 0
+    assert n[hot].max() >= 2 and (n[hot] == 0).any()  # deep paths and first-level rejections among sampled rows
