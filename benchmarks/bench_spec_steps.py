@@ -11,6 +11,7 @@ real model (`--accepted`, from `bench_spec.py`) the speedup the step implies is 
 ms, printed as an estimate. Knobs read from the environment (LUCEBOX_ATTN_DECODE, LUCEBOX_TREE_ROWS) A/B by process.
 
 Usage: python benchmarks/bench_spec_steps.py [--configs 4,15@5] [--tokens 64,192] [--accepted 4=2.15,15@5=2.89]
+       [--temperature 0.7] (sampled steps; LUCEBOX_TREE_WALK=seq for the sampled tree walk of before)
 CPU smoke test: --preset tiny --head random --tokens 8,16 --reps 1
 """
 
@@ -40,10 +41,11 @@ from lucebox_jax.synthetic import PRESETS, random_weights  # noqa: E402
 HEAD_OF = {"smollm2-135m": "SmolLM2-135M-Instruct.Q4_1"}
 
 
-def generate(eng, spec, prompt, max_new, need):
-    """One prompt, greedy, `max_new` tokens (no stop) in a cache for `need` positions (the same for both lengths: one
-    compile of each loop, and the same cache shapes): -> (seconds, target steps of the loop)."""
-    rp = RowParams.from_params([SamplingParams(temperature=0.0)])
+def generate(eng, spec, prompt, max_new, need, temperature=0.0):
+    """One prompt, greedy (or sampled at `temperature`, seed 0), `max_new` tokens (no stop) in a cache for `need`
+    positions (the same for both lengths: one compile of each loop, and the same cache shapes): -> (seconds, target
+    steps of the loop)."""
+    rp = RowParams.from_params([SamplingParams(temperature=temperature, seed=0)])
     t0 = time.perf_counter()
     cache = eng.new_cache(1, spec.cache_len(need) if spec else eng.cache_len_for(need))
     hidden = spec.drafter.hidden_layers if spec else None
@@ -59,14 +61,14 @@ def generate(eng, spec, prompt, max_new, need):
     return time.perf_counter() - t0, spec.last_stats["target_steps"]
 
 
-def ms_per_step(eng, spec, prompt, lengths, reps):
+def ms_per_step(eng, spec, prompt, lengths, reps, temperature=0.0):
     """Median over reps of (t(long) - t(short)) / (steps(long) - steps(short)), in ms; the first runs compile."""
     need = len(prompt) + max(lengths)
     for n in lengths:
-        generate(eng, spec, prompt, n, need)
+        generate(eng, spec, prompt, n, need, temperature)
     out, acc = [], []
     for _ in range(reps):
-        (t1, s1), (t2, s2) = (generate(eng, spec, prompt, n, need) for n in lengths)
+        (t1, s1), (t2, s2) = (generate(eng, spec, prompt, n, need, temperature) for n in lengths)
         out.append(1e3 * (t2 - t1) / max(s2 - s1, 1))
         if spec is not None:
             acc.append(spec.last_stats["mean_accepted"])
@@ -83,6 +85,9 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--accepted", default="", help="measured accepted drafts a step per config, e.g. 4=2.15")
     ap.add_argument("--kernels", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampled steps (plain and speculative) at this temperature; 0: greedy")
+    ap.add_argument("--name", default="bench_spec_steps", help="$OUT/NAME.json")
     args = ap.parse_args()
 
     cfg = PRESETS[args.preset].replace(dtype="bfloat16" if jax.default_backend() == "gpu" else "float32")
@@ -101,17 +106,18 @@ def main():
     prompt = [int(t) for t in np.random.default_rng(0).integers(10, cfg.vocab_size - 10, args.prompt_len)]
     lengths = [int(x) for x in args.tokens.split(",")]
     accepted = dict(kv.split("=") for kv in args.accepted.split(",") if kv)
-    env = {k: os.environ[k] for k in ("LUCEBOX_ATTN_DECODE", "LUCEBOX_TREE_ROWS", "LUCEBOX_DRAFT_VOCAB")
+    env = {k: os.environ[k] for k in ("LUCEBOX_ATTN_DECODE", "LUCEBOX_TREE_ROWS", "LUCEBOX_DRAFT_VOCAB",
+                                      "LUCEBOX_TREE_WALK")
            if k in os.environ}
     print(f"device {jax.devices()[0]}; {args.preset} random int4 weights; kernels {ks.describe()}; env {env}; "
-          f"draft vocabulary {drafter.draft_vocab_size or 'whole'}", flush=True)
-    plain, _, plain_runs = ms_per_step(eng, None, prompt, lengths, args.reps)
+          f"draft vocabulary {drafter.draft_vocab_size or 'whole'}; temperature {args.temperature}", flush=True)
+    plain, _, plain_runs = ms_per_step(eng, None, prompt, lengths, args.reps, args.temperature)
     print(f"plain: {plain:.4f} ms a step (runs {[round(x, 4) for x in plain_runs]})", flush=True)
     rows = [{"config": "plain", "ms_per_step": plain, "runs": plain_runs}]
     for c in args.configs.split(","):
         nodes, k = (int(c.split("@")[0]), int(c.split("@")[1])) if "@" in c else (None, int(c))
         spec = SpeculativeDecoder(eng, drafter, k, tree=nodes)
-        ms, acc, runs = ms_per_step(eng, spec, prompt, lengths, args.reps)
+        ms, acc, runs = ms_per_step(eng, spec, prompt, lengths, args.reps, args.temperature)
         row = {"config": c, "ms_per_step": ms, "plain_steps": ms / plain, "random_accepted": acc, "runs": runs}
         line = (f"{'tree ' + c if nodes else 'chain K=' + c}: {ms:.4f} ms a speculative step = {ms / plain:.3f} plain "
                 f"steps (random weights accepted {acc:.2f} a step)")
@@ -122,8 +128,9 @@ def main():
         rows.append(row)
     out = os.environ.get("OUT")
     if out:
-        with open(os.path.join(out, "bench_spec_steps.json"), "w") as f:
-            json.dump({"device": str(jax.devices()[0]), "env": env, "preset": args.preset, "rows": rows}, f, indent=1)
+        with open(os.path.join(out, f"{args.name}.json"), "w") as f:
+            json.dump({"device": str(jax.devices()[0]), "env": env, "preset": args.preset,
+                       "temperature": args.temperature, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
