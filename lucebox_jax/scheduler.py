@@ -29,6 +29,7 @@ while any live slot still speculates, and step 1 also prefills each new request'
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import os
@@ -45,6 +46,10 @@ from .engine import MIN_CACHE, PREFILL_CHUNK, Engine, bucket, join_chunks, pow2_
 from .model import KVCache, forward
 from .errors import InvalidRequestError
 from .sampling import RowParams, SamplingParams, is_int, sample
+
+
+# LUCEBOX_DECODE_THREAD=0: decode calls run on the scheduler's own thread (before 2026-12-07; the A/B of bench_serve)
+DECODE_THREAD = os.environ.get("LUCEBOX_DECODE_THREAD", "1") != "0"
 
 
 @struct.dataclass
@@ -223,6 +228,8 @@ class Scheduler:
         self.cache_len = max_len + (max(extra, quant.ROW_INVARIANT_CACHE_MARGIN) if quant.ROW_INVARIANT else extra)
         self._spec_on = np.zeros(slots, bool)  # host copy of state.spec.on
         self._spec_on_dev = None  # the last speculative call's state.spec.on, read once that call's tokens are in
+        self._pending: concurrent.futures.Future | None = None  # the decode call running on the worker thread
+        self._spec_seen: dict | None = None  # spec_stats() as last read with no call running
         # with nothing waiting, leave a decode call as soon as a row finishes (a live server: the finished request's
         # client hears at once and its next request arrives sooner) instead of running the call's remaining steps
         self.exit_on_finish = exit_on_finish
@@ -334,7 +341,6 @@ class Scheduler:
         key = ("chunk", self.slots, self.cache_len, self.steps_per_call, self.state.stop_ids.shape[1])
         self.state, buf = self._call(key, decode_chunk, eng.cfg, eng.kernels, eng.weights, self.state,
                                      jnp.asarray(retire), jnp.int32(exit_after), n_steps=self.steps_per_call)
-        self.stats["decode_calls"] += 1
         return buf  # on the device: the host reads it in the next round
 
     def _decode_spec(self, retire: np.ndarray, exit_after: int) -> jax.Array:
@@ -347,7 +353,6 @@ class Scheduler:
                                      sp.drafter.params, self.state, jnp.asarray(retire), jnp.int32(exit_after),
                                      jnp.float32(sp.min_accept), jnp.int32(sp.warmup), n_steps=self.steps_per_call,
                                      k=sp.k)
-        self.stats["decode_calls"] += 1
         self.stats["spec_calls"] += 1
         # its rows' speculation switches: read in the next round, when the call has finished (before an insert or
         # the next call donates this state), so the host's work of this round overlaps the call
@@ -375,9 +380,14 @@ class Scheduler:
         limit turned speculation off."""
         if self.spec is None:
             return {"off": self.spec_note} if self.spec_note else None
+        if self._pending is not None and self._spec_seen is not None:
+            return dict(self._spec_seen)  # a call is running on donated state: the last figures read
+        if self._pending is not None:
+            self._pending.result()  # (nothing read yet: wait for the call rather than touch its state)
         st = self.spec.stats(self.state.spec if self.state is not None else None)
         st["spec_calls"] = self.stats["spec_calls"]
         st["plain_calls"] = self.stats["decode_calls"] - self.stats["spec_calls"]
+        self._spec_seen = dict(st)
         return st
 
     # ------------------------------------------------------------------ host loop
@@ -435,6 +445,22 @@ class Scheduler:
         is retired one call later. With `lookahead` a round starts by dispatching the next call, then reads the one
         before it: rows admitted in a round join the call after the one in flight and read their first tokens in the
         next round."""
+        # A decode call is one XLA while loop, and running one holds the calling thread until it ends (the loop's
+        # predicate comes back to the host each step): dispatched from this thread, the round's host work (first
+        # tokens, hooks, hand-back) would wait for the call instead of running beside it. So the calls go to a
+        # worker thread (the interpreter lock is free while one runs) and the round waits on its future where it
+        # reads the tokens. (Lookahead dispatches while a call is in flight and admits beside it: it keeps the
+        # calling thread, whose calls run in order.)
+        pool = (None if (self.lookahead and self.spec is None) or not DECODE_THREAD
+                else concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lucebox-decode"))
+        try:
+            yield from self._run(requests, pool)
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=True)
+            self._pending = None
+
+    def _run(self, requests: Iterable[SlotRequest], pool) -> Iterator[list[Finished]]:
         it = iter(requests)
         exhausted = False
         waiting: collections.deque[SlotRequest] = collections.deque()
@@ -453,7 +479,12 @@ class Scheduler:
             exit_after = (max(1, min(self.max_prefill_batch, len(waiting))) if waiting
                           else 1 if self.exit_on_finish else self.slots + 1)
             t0 = time.perf_counter()
-            inflight.append((self._decode(retire, exit_after, active), t0, seq))
+            if pool is None:
+                out = self._decode(retire, exit_after, active)
+            else:  # (the host changes retire and active while the call runs: the worker gets copies)
+                out = self._pending = pool.submit(self._decode, retire.copy(), exit_after, tuple(active))
+            inflight.append((out, t0, seq))
+            self.stats["decode_calls"] += 1  # (dispatched; counted here, not on the worker)
             if trace is not None:
                 trace.append(("d", t0, len(active), exit_after))
             seq += 1
@@ -491,6 +522,9 @@ class Scheduler:
             if inflight and (len(inflight) > 1 or not ahead or not active):
                 buf, t_sent, n = inflight.popleft()
                 t_w = time.perf_counter()
+                if isinstance(buf, concurrent.futures.Future):
+                    buf = buf.result()  # the call has run (its errors raise here)
+                    self._pending = None
                 buf = np.asarray(buf)  # waits for that call
                 t_got = time.perf_counter()
                 self.stats["decode_s"] += t_got - t_sent  # dispatch to tokens on the host

@@ -265,9 +265,12 @@ def test_lookahead_dispatches_ahead_with_the_same_results(tiny_llm, greedy_case)
                 events.append(("read", self.n))
                 return np.asarray(self.buf)
 
-        def decode(*a, **k):
-            events.append(("dispatch", sched.stats["decode_calls"]))
-            return Tokens(inner(*a, **k), sched.stats["decode_calls"] - 1)
+        numbers = iter(range(10_000))
+
+        def decode(*a, **k):  # (on the scheduler's decode thread without lookahead: numbered here, not by stats)
+            n = next(numbers)
+            events.append(("dispatch", n))
+            return Tokens(inner(*a, **k), n)
 
         sched._decode = decode
         got = {f.request.key: f for batch in sched.run([_req(2, prompts[2], dataclasses.replace(params[2], seed=0),
@@ -308,3 +311,39 @@ def test_fixed_sampling_mode_gives_the_same_tokens(tiny_llm, greedy_case, mix):
         with pytest.raises(ValueError, match="beyond the fixed"):
             for _ in sched.run([hot]):
                 pass
+
+
+def test_round_host_work_runs_beside_a_blocking_decode_call(tiny_llm, greedy_case, monkeypatch):
+    """A decode call holds the thread that runs it until it ends (an XLA while loop on the GPU; here a sleep stands in
+    for it): the scheduler runs it on its decode thread, so the round's hooks run while it is still running; with
+    LUCEBOX_DECODE_THREAD=0 (DECODE_THREAD off) they wait for it. Tokens are the same either way."""
+    import threading
+    import time as _time
+
+    from lucebox_jax import scheduler as sch
+
+    prompts, params, ref = greedy_case
+    got = {}
+    for threaded in (True, False):
+        monkeypatch.setattr(sch, "DECODE_THREAD", threaded)
+        running, overlapped = threading.Event(), []
+        sched = Scheduler(tiny_llm.engine, slots=SLOTS, max_len=MAX_LEN, steps_per_call=STEPS, max_prefill_batch=2,
+                          stop_check=lambda r, ids: overlapped.append(running.is_set()) or False)
+        inner = sched._decode
+
+        def blocking(*a, _inner=inner, **k):
+            running.set()
+            try:
+                out = _inner(*a, **k)
+                np.asarray(out)
+                _time.sleep(0.15)  # the call's device time, holding this thread
+                return out
+            finally:
+                running.clear()
+
+        sched._decode = blocking
+        reqs = [_req(2, prompts[2], dataclasses.replace(params[2], seed=0), tiny_llm)]
+        got[threaded] = [f.token_ids for batch in sched.run(reqs) for f in batch]
+        assert got[threaded] == [ref[2]]
+        assert any(overlapped) == threaded and len(overlapped) >= 3
+    assert got[True] == got[False]
