@@ -19,6 +19,9 @@ scheduler's lookahead on both sides.
 GPU, one call (< 4 minutes; the embedded model's GGUF in /tmp):
     PYTHONUNBUFFERED=1 python3 benchmarks/bench_serve.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 CPU smoke run:   python benchmarks/bench_serve.py --small
+`--trace N` keeps the host loop's last N events on both sides (Scheduler, LUCEBOX_LOOP_TRACE) and writes them with
+each request's stamps to trace_<clients>[_ep|_offline].json, summarised per level (`trace_summary`): where a decode
+call's time and the gaps between calls went.
 Writes bench_serve.json and bench_serve.md (and each server's log) to $OUT (or --out). Needs starlette + uvicorn for
 the server and httpx for the clients.
 """
