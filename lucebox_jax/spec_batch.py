@@ -122,18 +122,14 @@ class BatchSpec:
 
 @functools.partial(jax.jit, donate_argnames=("rows",))
 def insert_spec_rows(rows: SpecRows, dstate, slots, prev, on):
-    """Write rows p = 0..P-1 of a prefilled drafter state (leaves [P, ...]) into slots[p]; counts start at 0."""
-    def body(p, r):
-        slot = slots[p]
+    """Write rows p = 0..P-1 of a prefilled drafter state (leaves [P, ...]) into slots[p]; counts start at 0. One
+    scatter a leaf, no loop over the rows (as scheduler.insert_rows; a padded group's repeated rows are equal)."""
+    def put(big, small):
+        return big.at[slots].set(small.astype(big.dtype))
 
-        def put(big, small):
-            return jax.lax.dynamic_update_slice_in_dim(big, jax.lax.dynamic_slice_in_dim(small, p, 1, axis=0), slot,
-                                                       axis=0)
-
-        return r.replace(dstate=jax.tree.map(put, r.dstate, dstate), prev=put(r.prev, prev), on=put(r.on, on),
-                         drafted=r.drafted.at[slot].set(0), accepted=r.accepted.at[slot].set(0))
-
-    return jax.lax.fori_loop(0, slots.shape[0], body, rows)
+    return rows.replace(dstate=jax.tree.map(put, rows.dstate, dstate), prev=put(rows.prev, prev),
+                        on=put(rows.on, on), drafted=rows.drafted.at[slots].set(0),
+                        accepted=rows.accepted.at[slots].set(0))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "kernels", "drafter", "n_steps", "k"),

@@ -347,3 +347,57 @@ def test_round_host_work_runs_beside_a_blocking_decode_call(tiny_llm, greedy_cas
         assert got[threaded] == [ref[2]]
         assert any(overlapped) == threaded and len(overlapped) >= 3
     assert got[True] == got[False]
+
+
+def test_insert_rows_scatters_every_row_at_once():
+    """insert_rows writes each prefilled row (cache positions below the prefill's length, per-row values) into its
+    slot and leaves the other slots alone, with a padded group's repeated last row and slot; it has no loop (a while
+    loop on the GPU brings its predicate to the host every trip)."""
+    import jax
+    import jax.numpy as jnp
+
+    from lucebox_jax.model import KVCache
+    from lucebox_jax.sampling import RowParams
+    from lucebox_jax.scheduler import SlotState, insert_rows
+
+    b, h, s, d, p, sp, v = 5, 2, 16, 4, 4, 8, 11
+    rng = np.random.default_rng(0)
+
+    def arr(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+    big = KVCache(k=(arr(b, h, s, d), arr(b, h, s, d)), v=(arr(b, h, s, d), arr(b, h, s, d)),
+                  lengths=jnp.arange(b, dtype=jnp.int32))
+    small = KVCache(k=(arr(p, h, sp, d), arr(p, h, sp, d)), v=(arr(p, h, sp, d), arr(p, h, sp, d)),
+                    lengths=jnp.asarray([3, 7, 5, 5], jnp.int32))
+    small = small.replace(k=tuple(x.at[3].set(x[2]) for x in small.k), v=tuple(x.at[3].set(x[2]) for x in small.v))
+    slots = jnp.asarray([4, 0, 2, 2], jnp.int32)  # the last row repeats the third, as a padded group does
+    rp_big = RowParams.from_params([SamplingParams(temperature=0.0, seed=i) for i in range(b)])
+    rp_new = RowParams.from_params([SamplingParams(temperature=0.5, seed=10 + i) for i in (0, 1, 2, 2)])
+    state = SlotState(cache=big, tokens=jnp.full((b,), 9, jnp.int32), seen=jnp.zeros((b, v), bool), rp=rp_big,
+                      done=jnp.ones((b,), bool), count=jnp.zeros((b,), jnp.int32), row_max=jnp.zeros((b,), jnp.int32),
+                      stop_ids=jnp.full((b, 2), -1, jnp.int32))
+    first = jnp.asarray([1, 6, 3, 3], jnp.int32)
+    seen = jnp.asarray(rng.random((p, v)) < 0.3).at[3].set(False)
+    seen = seen.at[3].set(seen[2])
+    row_max = jnp.asarray([5, 1, 7, 7], jnp.int32)
+    stop = jnp.asarray([[6, -1], [6, -1], [2, -1], [2, -1]], jnp.int32)
+    args = (small, slots, first, seen, rp_new, row_max, stop)
+    assert "while" not in str(jax.make_jaxpr(insert_rows)(state, *args))
+    want = jax.tree.map(np.asarray, state)
+    out = insert_rows(state, *args)
+    for row, slot in enumerate([4, 0, 2]):
+        for layer in range(2):
+            for got_kv, big_kv, small_kv in ((out.cache.k, want.cache.k, small.k), (out.cache.v, want.cache.v, small.v)):
+                np.testing.assert_array_equal(np.asarray(got_kv[layer])[slot, :, :sp], np.asarray(small_kv[layer])[row])
+                np.testing.assert_array_equal(np.asarray(got_kv[layer])[slot, :, sp:], big_kv[layer][slot, :, sp:])
+        assert int(out.cache.lengths[slot]) == int(small.lengths[row]) and int(out.tokens[slot]) == int(first[row])
+        assert np.array_equal(np.asarray(out.seen[slot]), np.asarray(seen[row]))
+        assert float(out.rp.temperature[slot]) == 0.5 and np.array_equal(np.asarray(out.rp.keys[slot]),
+                                                                          np.asarray(rp_new.keys[row]))
+        assert int(out.count[slot]) == 1 and int(out.row_max[slot]) == int(row_max[row])
+        assert list(np.asarray(out.stop_ids[slot])) == list(np.asarray(stop[row]))
+    assert list(np.asarray(out.done)) == [True, True, False, True, False]  # slot 0: its row stops at its first token
+    for slot in (1, 3):  # untouched slots
+        np.testing.assert_array_equal(np.asarray(out.cache.k[0])[slot], want.cache.k[0][slot])
+        assert int(out.tokens[slot]) == 9 and int(out.cache.lengths[slot]) == slot
