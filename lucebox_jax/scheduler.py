@@ -15,9 +15,10 @@ sampling parameters (`RowParams` rows), generated-token count, token budget, sto
 3. the host reads the chunk's tokens [slots, steps], appends them to each request, retires finished requests (stop
    token or token budget) and frees their slots for step 1. The next call is dispatched before the slower host work
    of a round (the caller's `stop_check`: streaming, stop strings; the finished requests handed back), which then
-   runs while the device decodes (the call runs on a decode thread: on the GPU it holds the thread that runs it). With `lookahead=True` the next call is dispatched even before the last one's
-   tokens are read (the device never waits for the host between calls; a request admitted in a round joins the call
-   after the one already in flight, so its first token reaches the host one call later).
+   runs while the device decodes (the call runs on a decode thread: on the GPU it holds the thread that runs it).
+   With `lookahead=True` the next call is dispatched even before the last one's tokens are read (the device never
+   waits for the host between calls; a request admitted in a round joins the call after the one already in flight,
+   so its first token reaches the host one call later).
 
 Sampling is per row and seeded per (seed, position) as in `sampling.py`, so a request's output does not depend on
 which slot it ran in or what else was in the batch.

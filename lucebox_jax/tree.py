@@ -41,7 +41,7 @@ TAG_TREE = 4  # (and 5: the resample) the walk's uniforms
 TAG_TREE_DRAFT = 6  # sampled children
 # LUCEBOX_TREE_SAMPLE=0: sampled rows keep deterministic children in every tree shape (the A/B of bench_spec.py)
 SAMPLE_CHILDREN = os.environ.get("LUCEBOX_TREE_SAMPLE", "1") != "0"
-# LUCEBOX_TREE_WALK=seq: sampled walks node by node along the path (`_walk`, the reference) instead of every node at once
+# LUCEBOX_TREE_WALK=seq: sampled rows walk node by node (`_walk`, the reference) instead of every node at once
 SEQUENTIAL_WALK = os.environ.get("LUCEBOX_TREE_WALK", "") == "seq"
 
 

@@ -388,7 +388,8 @@ def test_insert_rows_scatters_every_row_at_once():
     out = insert_rows(state, *args)
     for row, slot in enumerate([4, 0, 2]):
         for layer in range(2):
-            for got_kv, big_kv, small_kv in ((out.cache.k, want.cache.k, small.k), (out.cache.v, want.cache.v, small.v)):
+            for got_kv, big_kv, small_kv in ((out.cache.k, want.cache.k, small.k),
+                                             (out.cache.v, want.cache.v, small.v)):
                 np.testing.assert_array_equal(np.asarray(got_kv[layer])[slot, :, :sp], np.asarray(small_kv[layer])[row])
                 np.testing.assert_array_equal(np.asarray(got_kv[layer])[slot, :, sp:], big_kv[layer][slot, :, sp:])
         assert int(out.cache.lengths[slot]) == int(small.lengths[row]) and int(out.tokens[slot]) == int(first[row])
