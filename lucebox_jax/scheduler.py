@@ -211,8 +211,9 @@ class Scheduler:
                                           "wait_s": 0.0})
         # LUCEBOX_LOOP_TRACE=N: the host loop's last N events with perf_counter stamps, for bench_serve.py --trace:
         # ("d", t, rows, exit_after) a decode call dispatched, ("w", t0, t1) the host waiting for a call's tokens,
-        # ("a", t0, t1, rows) an admission, ("f", t0, t1) a feed pull that blocked, ("y", t0, t1, n) the caller's
-        # time on a round's n finished requests
+        # ("a", t0, t1, rows) an admission, ("f", t0, t1) a feed pull that blocked, ("h", t0, t1, n) the stop_check
+        # hooks on n rows, ("y", t0, t1, n) the caller's time on a round's n finished requests; a server's EngineLoop
+        # adds ("s", t) for each request it queues
         n_trace = int(os.environ.get("LUCEBOX_LOOP_TRACE", "0") or 0)
         self.trace: collections.deque | None = collections.deque(maxlen=n_trace) if n_trace > 0 else None
         # speculation (spec_batch.BatchSpec): off above its slot limit; the cache holds K positions past max_len
