@@ -14,7 +14,8 @@ Configurations, on the embedded model (or --model), each compiled with the shape
 (one prompt; its cache holds 256 positions): `decode` one plain decode step at batch 1 and `batch` at --batch rows
 (the body of `generate_loop`); `chain` one speculative step with the shipped EAGLE head, K = --k (the body of
 `spec_chunk`); `tree` the same with a tree of --tree nodes; `slots` / `spec-slots` one step of a batch job's decode
-call at --slots rows, plain / speculating (`scheduler.decode_chunk`, `spec_batch.spec_decode_chunk`).
+call at --slots rows, plain / speculating (`scheduler.decode_chunk`, `spec_batch.spec_decode_chunk`); `insert` an
+admission's insert of its prefilled rows (up to 8) into --slots slots (`scheduler.insert_rows`).
 `--synthetic llama3-8b` instead counts one `decode_step` of random weights at those shapes (never made: shapes only).
 Output: per configuration, kernels by kind and by call path, and $OUT/kernel_count.json;
 `--compare BEFORE.json AFTER.json` prints what a change added or removed.
@@ -299,8 +300,16 @@ def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
             return compile_for(dev, scheduler.decode_chunk, (cfg, ks), (w, *a[3:]), **kw)
         drafter = build("eagle", gpu_engine)
         return compile_for(dev, spec_batch.spec_decode_chunk, (cfg, ks, drafter), (w, drafter.params, *a[5:]), **kw)
-    raise SystemExit(f"unknown configuration {name!r}: decode, batch, chain, tree, slots, spec-slots, prefill, "
-                     "spec-prefill")
+    if name == "insert":  # an admission's insert of its prefilled rows into a batch job's slots (scheduler.py)
+        saved = cpu_llm.max_batch
+        cpu_llm.max_batch = args.slots
+        try:
+            a, kw = capture(scheduler, "insert_rows", lambda: cpu_llm.generate(prompt * (args.slots + 1), greedy))
+        finally:
+            cpu_llm.max_batch = saved
+        return compile_for(dev, scheduler.insert_rows, (), a, **kw)
+    raise SystemExit(f"unknown configuration {name!r}: decode, batch, chain, tree, slots, spec-slots, insert, "
+                     "prefill, spec-prefill")
 
 
 def compile_synthetic_decode(preset: str, args, ks, dev) -> str:
