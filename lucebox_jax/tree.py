@@ -134,6 +134,42 @@ def _walk_greedy(logits, tokens, parent, depths, depth: int):
     return nacc, path, jnp.take_along_axis(arg, cur, axis=1)[:, 0]
 
 
+def _tree_uniform(key, pos, node):
+    """The uniform that decides child `node` (node index), tried at absolute position `pos` of a row with raw key
+    `key`: both walks draw the same one for the same try."""
+    return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(jax.random.fold_in(
+        jax.random.wrap_key_data(key), pos), TAG_TREE), node))
+
+
+def _try_child(p, zp, qc, zq, t, u, want, child, hot):
+    """One child with token t tried against the unnormalised p' (sum zp) and q' (sum zq; None: deterministic
+    children), over any leading shape (a row, or each of a row's nodes); `want` the target's argmax there (greedy
+    rows), `child` whether there is a child to try, `hot` whether the row samples. -> (ok, p, zp, qc, zq)."""
+    hit = jnp.arange(p.shape[-1], dtype=jnp.int32) == t[..., None]
+    pt = jnp.take_along_axis(p, t[..., None], axis=-1)[..., 0]
+    if qc is None:  # deterministic children: q' = one-hot(t)
+        ok = jnp.where(hot, (pt > 0) & (u * zp < pt), t == want) & child
+        rej = child & ~ok & hot
+        p = jnp.where(rej[..., None] & hit, 0.0, p)
+        zp = jnp.where(rej, jnp.maximum(zp - pt, 0.0), zp)  # (a sum kept by subtraction: never below 0)
+        return ok, p, zp, qc, zq
+    qt = jnp.take_along_axis(qc, t[..., None], axis=-1)[..., 0]  # > 0 unless the draw ran out of allowed tokens
+    ok = jnp.where(hot, (qt > 0) & (u * qt * zp < pt * zq), t == want) & child
+    rej = child & ~ok & hot & (qt > 0)  # a rejected sampled child leaves the residual
+    p = jnp.where(rej[..., None], jnp.maximum(p * zq[..., None] - qc * zp[..., None], 0.0), p)
+    zp = jnp.where(rej, jnp.sum(p, axis=-1), zp)
+    qc = jnp.where(rej[..., None] & hit, 0.0, qc)
+    zq = jnp.where(rej, jnp.maximum(zq - qt, 0.0), zq)
+    return ok, p, zp, qc, zq
+
+
+def _resample(p, keys, positions):
+    """A token from each row's unnormalised distribution p [B, V] (Gumbel-max, keyed at `positions` [B])."""
+    g = jax.vmap(lambda k, pos: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(
+        jax.random.wrap_key_data(k), pos), TAG_TREE + 1), (p.shape[-1],), jnp.float32))(keys, positions)
+    return jnp.argmax(jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf) + g, axis=-1).astype(jnp.int32)
+
+
 def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int, sort: bool = True, q=None):
     """The walk with sampled rows. p' and q' stay unnormalised, with their sums zp and zq carried a row ([B] each),
     and a rejected token is cleared by a mask over the vocabulary rather than a scatter: fewer [B, V] passes a try
@@ -144,8 +180,6 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
     rows = jnp.arange(b)
     arg = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, 1 + N]
     hot = rp.temperature > 0
-    v = logits.shape[-1]
-    vocab = jnp.arange(v, dtype=jnp.int32)[None, :]
     ones = jnp.ones((b,), jnp.float32)
 
     def probs(cur):
@@ -166,24 +200,8 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
             win = kids[rows, cur, w]  # the current node's w-th child (0: none)
             node = jnp.maximum(win - 1, 0)
             child = alive & (win > 0) & ~found
-            t = tokens[rows, node]
-            hit = vocab == t[:, None]
-            u = jax.vmap(lambda k, pos, i: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
-                jax.random.fold_in(jax.random.wrap_key_data(k), pos), TAG_TREE), i)))(keys, pos0 + d - 1, node)
-            pt = p[rows, t]
-            if q is None:  # deterministic children: q' = one-hot(t)
-                ok = jnp.where(hot, (pt > 0) & (u * zp < pt), t == want) & child
-                rej = child & ~ok & hot
-                p = jnp.where(rej[:, None] & hit, 0.0, p)
-                zp = jnp.where(rej, jnp.maximum(zp - pt, 0.0), zp)  # (a sum kept by subtraction: never below 0)
-            else:
-                qt = qc[rows, t]  # > 0 unless the draw ran out of allowed tokens (never accepted, changes nothing)
-                ok = jnp.where(hot, (qt > 0) & (u * qt * zp < pt * zq), t == want) & child
-                rej = child & ~ok & hot & (qt > 0)  # a rejected sampled child leaves the residual
-                p = jnp.where(rej[:, None], jnp.maximum(p * zq[:, None] - qc * zp[:, None], 0.0), p)
-                zp = jnp.where(rej, jnp.sum(p, axis=-1), zp)
-                qc = jnp.where(rej[:, None] & hit, 0.0, qc)
-                zq = jnp.where(rej, jnp.maximum(zq - qt, 0.0), zq)
+            u = jax.vmap(_tree_uniform)(keys, pos0 + d - 1, node)
+            ok, p, zp, qc, zq = _try_child(p, zp, qc, zq, tokens[rows, node], u, want, child, hot)
             found = found | ok
             nxt_cur = jnp.where(ok, win, nxt_cur)
         cur = jnp.where(found, nxt_cur, cur)
@@ -195,10 +213,7 @@ def _walk(logits, tokens, parent, depths, rp, keys, pos0, width: int, depth: int
         if q is not None:
             qc = jnp.where(found[:, None], q[rows, cur], qc)
             zq = jnp.where(found, 1.0, zq)
-    g = jax.vmap(lambda k, pos: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(
-        jax.random.wrap_key_data(k), pos), TAG_TREE + 1), (v,), jnp.float32))(keys, pos0 + n)
-    sampled = jnp.argmax(jnp.where(p > 0, jnp.log(jnp.maximum(p, 1e-38)), -jnp.inf) + g, axis=-1).astype(jnp.int32)
-    nxt = jnp.where(hot, sampled, arg[rows, cur])
+    nxt = jnp.where(hot, _resample(p, keys, pos0 + n), arg[rows, cur])
     return n, jnp.stack(path, axis=1), nxt
 
 
@@ -230,30 +245,12 @@ def _walk_parallel(logits, tokens, parent, depths, rp, keys, pos0, width: int, d
     dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depths], axis=1)  # each slot's depth (root 0)
     # the uniform `_walk` draws when it tries a child at depth d of the walk: keyed by (pos0 + d - 1, child node)
     pos = pos0[:, None, None] + dep[:, :, None] + jnp.zeros_like(node)
-    u = jax.vmap(jax.vmap(jax.vmap(lambda k, ps, i: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(
-        jax.random.fold_in(jax.random.wrap_key_data(k), ps), TAG_TREE), i)), (None, 0, 0)), (None, 0, 0)))(
-        keys, pos, node)  # [B, M, width]
-    vocab = jnp.arange(v, dtype=jnp.int32)[None, None, :]
+    u = jax.vmap(jax.vmap(jax.vmap(_tree_uniform, (None, 0, 0)), (None, 0, 0)))(keys, pos, node)  # [B, M, width]
     found = jnp.zeros((b, m), bool)
     acc = jnp.zeros((b, m), jnp.int32)  # each slot's accepted child (window index; 0: none)
     for w in range(width):
-        win, tw, uw = kids[:, :, w], t[:, :, w], u[:, :, w]
-        child = (win > 0) & ~found
-        hit = vocab == tw[:, :, None]
-        pt = jnp.take_along_axis(p, tw[:, :, None], axis=2)[:, :, 0]
-        if q is None:  # deterministic children: q' = one-hot(t)
-            ok = jnp.where(hot, (pt > 0) & (uw * zp < pt), tw == arg) & child
-            rej = child & ~ok & hot
-            p = jnp.where(rej[:, :, None] & hit, 0.0, p)
-            zp = jnp.where(rej, jnp.maximum(zp - pt, 0.0), zp)
-        else:
-            qt = jnp.take_along_axis(qc, tw[:, :, None], axis=2)[:, :, 0]
-            ok = jnp.where(hot, (qt > 0) & (uw * qt * zp < pt * zq), tw == arg) & child
-            rej = child & ~ok & hot & (qt > 0)
-            p = jnp.where(rej[:, :, None], jnp.maximum(p * zq[:, :, None] - qc * zp[:, :, None], 0.0), p)
-            zp = jnp.where(rej, jnp.sum(p, axis=-1), zp)
-            qc = jnp.where(rej[:, :, None] & hit, 0.0, qc)
-            zq = jnp.where(rej, jnp.maximum(zq - qt, 0.0), zq)
+        win = kids[:, :, w]
+        ok, p, zp, qc, zq = _try_child(p, zp, qc, zq, t[:, :, w], u[:, :, w], arg, (win > 0) & ~found, hot)
         found = found | ok
         acc = jnp.where(ok, win, acc)
     cur = jnp.zeros((b,), jnp.int32)
@@ -268,11 +265,7 @@ def _walk_parallel(logits, tokens, parent, depths, rp, keys, pos0, width: int, d
         n = n + step.astype(jnp.int32)
         alive = step
     # the walk ends at `cur`: every child tried and rejected (its residual), or none to try (its own distribution)
-    last = p[rows, cur]
-    g = jax.vmap(lambda k, ps: jax.random.gumbel(jax.random.fold_in(jax.random.fold_in(
-        jax.random.wrap_key_data(k), ps), TAG_TREE + 1), (v,), jnp.float32))(keys, pos0 + n)
-    sampled = jnp.argmax(jnp.where(last > 0, jnp.log(jnp.maximum(last, 1e-38)), -jnp.inf) + g, axis=-1)
-    nxt = jnp.where(hot[:, 0], sampled.astype(jnp.int32), arg[rows, cur])
+    nxt = jnp.where(hot[:, 0], _resample(p[rows, cur], keys, pos0 + n), arg[rows, cur])
     return n, jnp.stack(path, axis=1), nxt
 
 
