@@ -293,8 +293,12 @@ def trace_summary(events, windows=None) -> dict:
     `call` the host's view of a call (dispatch until its tokens were read), `waited` the part of it spent blocked on
     the device, `late` the share of calls whose tokens the host found ready (waited < 0.05 ms: the device may have
     idled before the host came), `gap` from a call's tokens read to the next dispatch (the device idle between
-    calls without lookahead: reads, admissions, the feed), `hooks` / `handback` the streaming hooks and the caller's
-    time on finished requests a round, `admit` ms an admission, `feed_blocked_s` the loop blocked on an empty feed,
+    calls without lookahead: reads, admissions, the feed), `idle_p50` the median from a call's tokens read to the
+    next admission or dispatch (the device's idle between calls where the host waits for them), `after_return_p50`
+    the median from a dispatch's return to the next admission or dispatch (the idle where a call holds the thread
+    that dispatches it until it ends), `dispatch_p50` the median from a dispatch to its return, `hooks` / `handback`
+    the streaming hooks and the caller's time on finished requests a round, `admit` ms an admission,
+    `feed_blocked_s` the loop blocked on an empty feed,
     `inbox_ms` arrival (\"s\", the server) to the next admission's start. `windows`: (start, end) pairs, the
     measured runs: only events starting inside one count (not the warm-up's)."""
     ev = sorted((tuple(e) for e in events if windows is None or any(a <= e[1] <= b for a, b in windows)),
@@ -307,10 +311,22 @@ def trace_summary(events, windows=None) -> dict:
     for d, w in zip(disp, waits):  # without lookahead each dispatch's tokens are read at the next wait
         calls.append(w[2] - d[1])
         waited.append(w[2] - w[1])
+    starts = [e[1] for e in ev if e[0] in "ad"]
+    idle, after_return, held = [], [], []
+    for i, e in enumerate(ev):  # a dispatch returns when the host's next event starts (arrivals are another thread's)
+        back = next((x[1] for x in ev[i + 1:] if x[0] != "s"), None) if e[0] == "d" else None
+        if back is not None:
+            held.append(back - e[1])
+        nxt = next((t for t in starts if t > back), None) if back is not None else None
+        if nxt is not None:
+            after_return.append(nxt - back)
     for w in waits:
         nxt = next((d for d in disp if d[1] >= w[2]), None)
         if nxt is not None:
             gaps.append(nxt[1] - w[2])
+        nxt = next((t for t in starts if t >= w[2]), None)
+        if nxt is not None:
+            idle.append(nxt - w[2])
     adm = [e[2] - e[1] for e in ev if e[0] == "a"]
     admit_starts = [e[1] for e in ev if e[0] == "a"]
     inbox = []
@@ -329,6 +345,9 @@ def trace_summary(events, windows=None) -> dict:
             if disp else None, "call": ms(calls), "waited": ms(waited),
             "late": round(float(np.mean([x < 5e-5 for x in waited])), 3) if waited else None,
             "gap": ms(gaps), "gap_share": round(sum(gaps) / span, 3) if span > 0 else None,
+            "idle_p50": round(1e3 * float(np.percentile(idle, 50)), 3) if idle else None,
+            "after_return_p50": round(1e3 * float(np.percentile(after_return, 50)), 3) if after_return else None,
+            "dispatch_p50": round(1e3 * float(np.percentile(held, 50)), 3) if held else None,
             "hooks": ms([e[2] - e[1] for e in ev if e[0] == "h"]),
             "handback": ms([e[2] - e[1] for e in ev if e[0] == "y"]), "admissions": len(adm), "admit": ms(adm),
             "feed_blocked_s": round(sum(e[2] - e[1] for e in ev if e[0] == "f"), 4),

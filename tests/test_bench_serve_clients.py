@@ -103,6 +103,7 @@ def test_loop_trace_agrees_with_the_loop_counters(tiny_llm, monkeypatch):
     got = bench_serve.trace_summary(trace)
     assert got["calls"] == loop["decode_calls"] and got["admissions"] == loop["prefill_calls"]
     assert 0 < got["waited"] <= got["call"] and 0 <= got["late"] <= 1 and got["rows_mean"] <= 2
+    assert got["idle_p50"] >= 0 and got["after_return_p50"] >= 0 and got["dispatch_p50"] >= 0
     # windows keep only the events that start inside them
     t0 = min(e[1] for e in trace)
     assert bench_serve.trace_summary(trace, [(t0 - 2, t0 - 1)]) == {}
