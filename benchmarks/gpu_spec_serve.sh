@@ -9,7 +9,7 @@
 # BATCH_SECONDS (the 8-slot job's budget, default 120), TREES (bench_spec --tree sizes, default 15@5,15@5/8,15@6/6,32: N@K/beam), EQ_SECONDS (per greedy run, compile included: the mgpu one compiled past 60 s on 2026-12-03) adjust; BATCH_ARGS
 # (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py; SPEC_FLAG_AB='f1;f2' times the
 # eagle chain under no XLA_FLAGS and under each setting given; SPEC_ENV_AB='A=1;A=0' the same under each set of
-# environment assignments.
+# environment assignments; SERVE_ENV_AB='A=1;A=0' runs bench_serve under each (SERVE_AB_SECONDS a run).
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -79,6 +79,19 @@ if [ "${SERVE:-1}" = 1 ]; then
   timeout "$(( ${SERVE_SECONDS:-100} + 60 ))" python3 benchmarks/bench_serve.py --model "$M" --clients "${CLIENTS:-8,32,128}" \
     --budget "${SERVE_SECONDS:-100}" ${SERVE_ARGS:-} > "$OUT/serve.log" 2>&1; tail -15 "$OUT/serve.log"
 fi
+if [ -n "${SERVE_ENV_AB:-}" ]; then
+  # bench_serve (CLIENTS, default 32; SERVE_ARGS) under each ';'-separated set of environment assignments, one server
+  # and offline job each, on one machine, e.g. SERVE_ENV_AB='LUCEBOX_DECODE_THREAD=1;LUCEBOX_DECODE_THREAD=0'; each
+  # run's files in $OUT/serve_ab<i>/ (SERVE_AB_SECONDS a run, default 150; the first also compiles)
+  IFS=';' read -ra SERVE_SETS <<< "${SERVE_ENV_AB}"
+  for i in "${!SERVE_SETS[@]}"; do
+    mkdir -p "$OUT/serve_ab$i"
+    env ${SERVE_SETS[$i]} timeout "$(( ${SERVE_AB_SECONDS:-150} + 60 ))" python3 benchmarks/bench_serve.py --model "$M" \
+      --clients "${CLIENTS:-32}" --budget "${SERVE_AB_SECONDS:-150}" --out "$OUT/serve_ab$i" ${SERVE_ARGS:-} \
+      > "$OUT/serve_ab$i/serve.log" 2>&1
+    echo "${SERVE_SETS[$i]}:"; grep -E "^\| [0-9]+ \|" "$OUT/serve_ab$i/serve.log" | head -4
+  done
+fi
 if [ "${MGPU_EQ:-1}" = 1 ]; then
   P="Explain in three sentences why the sky is blue."
   for k in xla mgpu; do  # (file names without '=' or ',': the device returns only plain names)
@@ -94,4 +107,4 @@ print("greedy mgpu == xla" if a == b else f"greedy mgpu != xla: first difference
 PY
 fi
 # the device returns at most a few files: logs and the head go back in one archive
-(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.err *.json "$(basename "$HEAD")" 2>/dev/null; ls)
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.err *.json serve_ab* "$(basename "$HEAD")" 2>/dev/null; ls)
