@@ -290,6 +290,27 @@ def top_logprobs(logits, k: int):
     return lp, ids.astype(jnp.int32), vals
 
 
+def descending_rank(x):
+    """Each element's place [..., n] (int32, 0 = largest) along a short last axis in `lax.top_k`'s order (float total
+    order, so +0 above -0; ties to the lower index), from an n x n comparison: elementwise work and one sum that
+    XLA fuses with what reads it, where `lax.top_k` over a few elements is a copy and a sort kernel of its own."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # floats' total order as ints
+    i = jnp.arange(x.shape[-1])
+    ki, kj = key[..., :, None], key[..., None, :]
+    before = (kj > ki) | ((kj == ki) & (i[None, :] < i[:, None]))  # [..., i, j]: j comes before i
+    return jnp.sum(before.astype(jnp.int32), axis=-1)
+
+
+def small_top_k(x, k: int):
+    """`lax.top_k(x, k)` (the same values and indices) for a short last axis (up to a few hundred), through
+    `descending_rank`."""
+    rank = descending_rank(x)
+    at = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [..., k, n]: the element of each place
+    idx = jnp.sum(jnp.where(at, jnp.arange(x.shape[-1], dtype=jnp.int32), 0), axis=-1)
+    return jnp.take_along_axis(x, idx, axis=-1), idx
+
+
 def top_k_wide(x, k: int, chunk: int = 1024):
     """`lax.top_k` over a long last axis (a vocabulary) in two stages: the top k of each `chunk`-wide slice, then the
     top k of those. Same values and indices as `lax.top_k` (ties go to the lower index in both). On the H200, XLA's

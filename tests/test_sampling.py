@@ -118,6 +118,25 @@ def test_top_k_wide_equals_lax_top_k():
             np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
 
 
+def test_small_top_k_equals_lax_top_k():
+    """The comparison top-k (descending_rank) gives lax.top_k's values and indices: ties to the lower index, +0 above
+    -0, -inf last, over the short rows the tree's beam and node choice rank; its ranks are a permutation."""
+    from lucebox_jax.sampling import descending_rank, small_top_k
+
+    rng = np.random.default_rng(1)
+    for shape, k in [((64, 9), 3), ((16, 39), 15), ((2, 3, 12), 4), ((5, 1), 1)]:
+        x = np.round(rng.standard_normal(shape) * 2) / 2  # many equal values
+        x[rng.random(shape) < 0.15] = -np.inf
+        x[rng.random(shape) < 0.15] = -0.0
+        x[rng.random(shape) < 0.15] = 0.0
+        want = jax.lax.top_k(jnp.asarray(x, jnp.float32), k)
+        got = small_top_k(jnp.asarray(x, jnp.float32), k)
+        for a, g in zip(want, got):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(g))
+        rank = np.asarray(descending_rank(jnp.asarray(x, jnp.float32)))
+        np.testing.assert_array_equal(np.sort(rank, axis=-1), np.broadcast_to(np.arange(shape[-1]), shape))
+
+
 def test_one_pass_logsumexp_against_numpy():
     """The one-pass logsumexp (a variadic reduction of (max, scaled sum) pairs) against NumPy's float64 value, on
     vocabulary-long rows, large magnitudes, rows with -inf (masked tokens) and an all -inf row (-inf, not nan)."""

@@ -399,18 +399,17 @@ def test_select_nodes_keeps_the_best_candidates_as_a_tree():
 
 def test_select_nodes_keeps_parents_when_sums_round_to_equal(monkeypatch):
     """A child whose log probability is 0 has its parent's sum; at a large enough magnitude a small per-depth
-    tie-break rounds away too. The tree stays closed whichever way top_k breaks the tie (the GPU's need not prefer
-    the lower index): here it prefers the higher one, i.e. the child."""
+    tie-break rounds away too. The tree stays closed whichever way the ranking breaks the tie: here the higher index
+    first, i.e. the child."""
     from lucebox_jax.drafters import eagle
     from lucebox_jax.drafters.eagle import select_nodes
 
-    stable_top_k = jax.lax.top_k
+    lower_first = eagle.descending_rank
 
-    def top_k_last_first(x, k):  # ties: the higher index first
-        v, i = stable_top_k(x[..., ::-1], k)
-        return v, x.shape[-1] - 1 - i
+    def higher_first(x):  # ties: the higher index first
+        return lower_first(x[..., ::-1])[..., ::-1]
 
-    monkeypatch.setattr(eagle.jax.lax, "top_k", top_k_last_first)
+    monkeypatch.setattr(eagle, "descending_rank", higher_first)
     big = -5000.0  # float32 spacing here is 4.9e-4
     f = lambda v: jnp.asarray([v], jnp.float32)  # noqa: E731
     cands = [(jnp.asarray([[7, 8]]), f([big, big - 10]), jnp.asarray([[-1, -1]]), 1),

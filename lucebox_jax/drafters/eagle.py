@@ -33,6 +33,7 @@ from ..engine import Engine, pow2_at_least
 from ..model import (VERIFY_AS_DECODE_ROWS, EmbedTable, _decode_rows, _write_kv, forward, init_cache, normed_linear,
                      one_deferred_row, rms_norm, rms_norm_deferred, rope)
 from ..quant import Int8Array, QuantArray
+from ..sampling import descending_rank, small_top_k
 from .base import DraftError, Drafter, register
 
 HEAD_FILE, CONFIG_FILE = "head.msgpack", "eagle.json"
@@ -406,8 +407,8 @@ class EagleDrafter(Drafter):
             fronts.append(frontier)
             q_fronts.append(q_front)
             cand = (score[:, :, None] + top_lp).reshape(b, w * w)
-            score, best = jax.lax.top_k(cand, w)
-            kept = jnp.zeros((b, w * w), bool).at[jnp.arange(b)[:, None], best].set(True)
+            score, best = small_top_k(cand, w)  # (comparisons: no sort kernel)
+            kept = descending_rank(cand) < w
             cands.append((top_tok.reshape(b, w * w), cand, jnp.repeat(frontier, w, axis=1), d + 1, kept))
             pw = best // w  # parent's frontier slot
             ftok = jnp.take_along_axis(top_tok.reshape(b, w * w), best, axis=1)
@@ -451,10 +452,14 @@ def select_nodes(cands, n: int, beam_only=None):
     par = jnp.concatenate([c[2] for c in cands], axis=1)
     dep = jnp.concatenate([jnp.full(c[0].shape, c[3], jnp.int32) for c in cands], axis=1)
     b, total = toks.shape
-    _, pick = jax.lax.top_k(jnp.concatenate(ranks, axis=1), n)
-    pick = jnp.sort(pick, axis=1)
+    # the n best in candidate order, as lax.top_k then a sort would pick them, from comparisons (no sort kernels):
+    # window index = how many chosen candidates up to and including this one
+    chosen = (descending_rank(jnp.concatenate(ranks, axis=1)) < n).astype(jnp.int32)
+    upto = jnp.arange(total)[:, None] <= jnp.arange(total)[None, :]  # [c', c]: c' at or before c
+    window = jnp.where(chosen > 0, jnp.sum(jnp.where(upto[None], chosen[:, :, None], 0), axis=1), 0)
+    at = window[:, None, :] == jnp.arange(1, n + 1, dtype=jnp.int32)[None, :, None]  # [B, n, C]
+    pick = jnp.sum(jnp.where(at, jnp.arange(total, dtype=jnp.int32), 0), axis=-1)
     rows = jnp.arange(b)[:, None]
-    window = jnp.zeros((b, total), jnp.int32).at[rows, pick].set(jnp.arange(1, n + 1, dtype=jnp.int32)[None])
     p = par[rows, pick]
     parent = jnp.where(p < 0, 0, window[rows, jnp.maximum(p, 0)])
     return toks[rows, pick].astype(jnp.int32), parent.astype(jnp.int32), dep[rows, pick], window
