@@ -292,8 +292,9 @@ def top_logprobs(logits, k: int):
 
 def descending_rank(x):
     """Each element's place [..., n] (int32, 0 = largest) along a short last axis in `lax.top_k`'s order (float total
-    order, so +0 above -0; ties to the lower index), from an n x n comparison: elementwise work and one sum that
-    XLA fuses with what reads it, where `lax.top_k` over a few elements is a copy and a sort kernel of its own."""
+    order, so +0 above -0; ties to the lower index), from an n x n comparison: elementwise work and a sum, which XLA
+    fuses, where `lax.top_k` over a few elements is a copy and a sort kernel (the tree's beam: 506 -> 495 kernels a
+    step, AOT count)."""
     bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
     key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)  # floats' total order as ints
     i = jnp.arange(x.shape[-1])
@@ -302,10 +303,10 @@ def descending_rank(x):
     return jnp.sum(before.astype(jnp.int32), axis=-1)
 
 
-def small_top_k(x, k: int):
+def small_top_k(x, k: int, rank=None):
     """`lax.top_k(x, k)` (the same values and indices) for a short last axis (up to a few hundred), through
-    `descending_rank`."""
-    rank = descending_rank(x)
+    `descending_rank` (or `rank`, x's own, where the caller has it)."""
+    rank = descending_rank(x) if rank is None else rank
     at = rank[..., None, :] == jnp.arange(k, dtype=jnp.int32)[:, None]  # [..., k, n]: the element of each place
     idx = jnp.sum(jnp.where(at, jnp.arange(x.shape[-1], dtype=jnp.int32), 0), axis=-1)
     return jnp.take_along_axis(x, idx, axis=-1), idx

@@ -407,8 +407,9 @@ class EagleDrafter(Drafter):
             fronts.append(frontier)
             q_fronts.append(q_front)
             cand = (score[:, :, None] + top_lp).reshape(b, w * w)
-            score, best = small_top_k(cand, w)  # (comparisons: no sort kernel)
-            kept = descending_rank(cand) < w
+            rank = descending_rank(cand)  # (comparisons: no sort kernel)
+            score, best = small_top_k(cand, w, rank)
+            kept = rank < w
             cands.append((top_tok.reshape(b, w * w), cand, jnp.repeat(frontier, w, axis=1), d + 1, kept))
             pw = best // w  # parent's frontier slot
             ftok = jnp.take_along_axis(top_tok.reshape(b, w * w), best, axis=1)
