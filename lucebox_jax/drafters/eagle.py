@@ -456,8 +456,7 @@ def select_nodes(cands, n: int, beam_only=None):
     # the n best in candidate order, as lax.top_k then a sort would pick them, from comparisons (no sort kernels):
     # window index = how many chosen candidates up to and including this one
     chosen = (descending_rank(jnp.concatenate(ranks, axis=1)) < n).astype(jnp.int32)
-    upto = jnp.arange(total)[:, None] <= jnp.arange(total)[None, :]  # [c', c]: c' at or before c
-    window = jnp.where(chosen > 0, jnp.sum(jnp.where(upto[None], chosen[:, :, None], 0), axis=1), 0)
+    window = jnp.where(chosen > 0, jnp.cumsum(chosen, axis=1), 0)
     at = window[:, None, :] == jnp.arange(1, n + 1, dtype=jnp.int32)[None, :, None]  # [B, n, C]
     pick = jnp.sum(jnp.where(at, jnp.arange(total, dtype=jnp.int32), 0), axis=-1)
     rows = jnp.arange(b)[:, None]
