@@ -68,11 +68,13 @@ if [ -n "${SPEC_ENV_AB:-}" ]; then
   # the eagle chain (K = 4, greedy, 4 prompts) under each ';'-separated set of environment assignments, in separate
   # processes, e.g. SPEC_ENV_AB='LUCEBOX_VERIFY_APPEND=0;LUCEBOX_VERIFY_APPEND=1' (the verify's window written first
   # or by the decode kernel); SPEC_AB_ARGS (default --tree 0) e.g. "--tree 15@5" for LUCEBOX_TREE_ROWS=0;32
+  # (SPEC_AB_SECONDS a process's budget, default 110)
   IFS=';' read -ra ENV_SETS <<< "${SPEC_ENV_AB}"
   for i in "${!ENV_SETS[@]}"; do
-    env ${ENV_SETS[$i]} timeout 150 python3 benchmarks/bench_spec.py --model "$M" --drafters eagle --ks 4 \
-      --temps 0 --no-synthetic --no-self-draft --budget 110 ${SPEC_AB_ARGS:---tree 0} > "$OUT/spec_env$i.log" 2>&1
-    echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup|a prompt:" "$OUT/spec_env$i.log" | tail -4
+    env ${ENV_SETS[$i]} timeout $(( ${SPEC_AB_SECONDS:-110} + 40 )) python3 benchmarks/bench_spec.py --model "$M" \
+      --drafters eagle --ks 4 --temps 0 --no-synthetic --no-self-draft --budget "${SPEC_AB_SECONDS:-110}" \
+      ${SPEC_AB_ARGS:---tree 0} > "$OUT/spec_env$i.log" 2>&1
+    echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup|a prompt:" "$OUT/spec_env$i.log" | tail -8
   done
 fi
 if [ "${SERVE:-1}" = 1 ]; then

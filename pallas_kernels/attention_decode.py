@@ -247,6 +247,9 @@ WIDE_HEAD_32_MAX_SEQ = 4096  # more pairs, D >= 128: 32-key tiles up to this cac
 PACK_WINDOWS = os.environ.get("LUCEBOX_ATTN_PACK", "")
 PACK_MIN_HEAD_DIM = 128
 PACKED_MIN_PROGRAMS = 64  # splits for packed windows: (windows x kv heads x splits) >= this many programs
+# LUCEBOX_ATTN_ROW_SPLITS=N: N splits for calls whose rows map onto cache rows (a verify's window, a tree's nodes),
+# e.g. 1: no merge kernel (30 a verify of the embedded model); decode steps keep theirs. An A/B knob (GPU question)
+ROW_SPLITS = int(os.environ.get("LUCEBOX_ATTN_ROW_SPLITS", "0") or 0)
 
 
 def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False, mapped_rows: bool = False,
@@ -276,6 +279,8 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     else:
         narrow = d >= 128 and s <= WIDE_HEAD_32_MAX_SEQ and not mapped_rows
         cfg = dict(block_k=32 if narrow else 64, n_split=None, num_warps=4, num_stages=3, combine=combine)
+    if mapped_rows and ROW_SPLITS > 0:
+        cfg["n_split"] = ROW_SPLITS
     return {**cfg, **env_overrides()}
 
 

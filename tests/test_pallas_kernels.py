@@ -610,6 +610,32 @@ def test_tree_nodes_as_decode_rows(b, t, hq, hkv, s, d, vis, dt, kw):
                                                                                    np.asarray(vc))
 
 
+def test_row_splits_knob(monkeypatch):
+    """LUCEBOX_ATTN_ROW_SPLITS (an A/B knob): calls whose rows map onto cache rows (verify windows, tree nodes) take
+    that many splits, decode steps keep theirs; with one split the tree's kernel normalises itself, same result."""
+    import pallas_kernels.attention_decode as ad
+    import pallas_kernels.attention_tree as at
+
+    base = ad.default_config(1, 3, 512, 64)
+    assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] is None
+    for mod in (ad, at):
+        monkeypatch.setattr(mod, "ROW_SPLITS", 1)
+    assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] == 1
+    assert ad.default_config(1, 3, 512, 64) == base
+    b, t, hq, hkv, s, d, vis, dt = 1, 5, 9, 3, 128, 64, [50], jnp.float32
+    q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, dt, 7)
+    kc = k.at[0, :, 50:50 + t].set(k_win[0].swapaxes(0, 1))
+    vc = v.at[0, :, 50:50 + t].set(v_win[0].swapaxes(0, 1))
+    n_visible, scale = jnp.asarray(vis, jnp.int32), d**-0.5
+    want = attention_tree_reference(q, k, v, n_visible, k_win, v_win, anc, scale=scale)
+    calls = []
+    real = at.attention_decode
+    monkeypatch.setattr(at, "attention_decode", lambda *a, **kw: calls.append(kw.get("n_split")) or real(*a, **kw))
+    y = at.attention_tree(q, kc, vc, n_visible, k_win, v_win, anc, scale=scale, interpret=True, in_cache=True,
+                          block_k=32)
+    assert calls == [1] and rel(y, want) < TOL[dt]
+
+
 def test_attention_tree_registered():
     q, k, v, k_win, v_win, anc = _tree_inputs(2, 6, 9, 3, 40, 64, jnp.float32, 13)
     vis = jnp.asarray([40, 9], jnp.int32)
