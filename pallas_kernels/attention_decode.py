@@ -247,9 +247,20 @@ WIDE_HEAD_32_MAX_SEQ = 4096  # more pairs, D >= 128: 32-key tiles up to this cac
 PACK_WINDOWS = os.environ.get("LUCEBOX_ATTN_PACK", "")
 PACK_MIN_HEAD_DIM = 128
 PACKED_MIN_PROGRAMS = 64  # splits for packed windows: (windows x kv heads x splits) >= this many programs
-# LUCEBOX_ATTN_ROW_SPLITS=N: N splits for calls whose rows map onto cache rows (a verify's window, a tree's nodes),
-# e.g. 1: no merge kernel (30 a verify of the embedded model); decode steps keep theirs. An A/B knob (GPU question)
-ROW_SPLITS = int(os.environ.get("LUCEBOX_ATTN_ROW_SPLITS", "0") or 0)
+# Calls whose rows map onto cache rows (a verify's window, a tree's nodes) at head dims below 128 (the embedded
+# model's 64) take one split: no merge kernel (30 a verify; tree step 495 -> 464 kernels, AOT), and on an H100
+# (2026-12-07) the chain and tree steps cost 2-10% less in plain steps (benchmarks/RESULTS.md). Head dim 128 (the 8B
+# verify, long caches) was not measured so and keeps its splits. LUCEBOX_ATTN_ROW_SPLITS=N sets N at every head dim,
+# =0 restores the splits chosen by the grid (decode steps are never affected).
+ROW_SPLITS = os.environ.get("LUCEBOX_ATTN_ROW_SPLITS", "")
+ROW_SPLITS_MAX_HEAD_DIM = 64
+
+
+def row_splits(d: int) -> int:
+    """Splits for a call whose rows map onto cache rows at head dim d (0: chosen by the grid)."""
+    if ROW_SPLITS.strip():
+        return int(ROW_SPLITS)
+    return 1 if d <= ROW_SPLITS_MAX_HEAD_DIM else 0
 
 
 def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False, mapped_rows: bool = False,
@@ -279,8 +290,8 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     else:
         narrow = d >= 128 and s <= WIDE_HEAD_32_MAX_SEQ and not mapped_rows
         cfg = dict(block_k=32 if narrow else 64, n_split=None, num_warps=4, num_stages=3, combine=combine)
-    if mapped_rows and ROW_SPLITS > 0:
-        cfg["n_split"] = ROW_SPLITS
+    if mapped_rows and row_splits(d) > 0:
+        cfg["n_split"] = row_splits(d)
     return {**cfg, **env_overrides()}
 
 

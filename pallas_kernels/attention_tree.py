@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .attention_decode import ROW_SPLITS, attention_decode
+from . import attention_decode as decode_kernel
+from .attention_decode import attention_decode
 
 __all__ = ["attention_tree", "attention_tree_reference", "ancestor_words"]
 
@@ -52,8 +53,8 @@ def attention_tree(q, k, v, n_visible, k_win, v_win, anc, *, scale: float, rows_
         a = a.reshape(b, c, hkv, r, *a.shape[2:]).swapaxes(1, 2).reshape(b, hkv, c * r, *a.shape[2:])
         return a[:, :, :n].reshape(b, hkv, g, t, *a.shape[3:])
 
-    if ROW_SPLITS > 0:
-        cfg.setdefault("n_split", ROW_SPLITS)
+    if decode_kernel.row_splits(d) > 0:  # (attention_decode.ROW_SPLITS)
+        cfg.setdefault("n_split", decode_kernel.row_splits(d))
     qr = tiles(q.reshape(b, t, hkv, g, d))
     cache_row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), c)
     lengths = jnp.repeat(n_visible.astype(jnp.int32), c)

@@ -610,18 +610,24 @@ def test_tree_nodes_as_decode_rows(b, t, hq, hkv, s, d, vis, dt, kw):
                                                                                    np.asarray(vc))
 
 
-def test_row_splits_knob(monkeypatch):
-    """LUCEBOX_ATTN_ROW_SPLITS (an A/B knob): calls whose rows map onto cache rows (verify windows, tree nodes) take
-    that many splits, decode steps keep theirs; with one split the tree's kernel normalises itself, same result."""
+def test_row_splits(monkeypatch):
+    """Calls whose rows map onto cache rows (verify windows, tree nodes) take one split at head dim 64 (no merge
+    kernel), keep the grid's at 128; LUCEBOX_ATTN_ROW_SPLITS overrides (0: the grid's); decode steps never change.
+    With one split the tree's kernel normalises its output itself: the same result."""
     import pallas_kernels.attention_decode as ad
     import pallas_kernels.attention_tree as at
 
+    monkeypatch.setattr(ad, "ROW_SPLITS", "")
     base = ad.default_config(1, 3, 512, 64)
-    assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] is None
-    for mod in (ad, at):
-        monkeypatch.setattr(mod, "ROW_SPLITS", 1)
     assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] == 1
+    assert ad.default_config(16, 8, 512, 128, mapped_rows=True)["n_split"] is None
+    monkeypatch.setattr(ad, "ROW_SPLITS", "0")
+    assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] is None
     assert ad.default_config(1, 3, 512, 64) == base
+    monkeypatch.setattr(ad, "ROW_SPLITS", "2")
+    assert ad.default_config(16, 8, 512, 128, mapped_rows=True)["n_split"] == 2
+    assert ad.default_config(1, 3, 512, 64) == base
+    monkeypatch.setattr(ad, "ROW_SPLITS", "")
     b, t, hq, hkv, s, d, vis, dt = 1, 5, 9, 3, 128, 64, [50], jnp.float32
     q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, dt, 7)
     kc = k.at[0, :, 50:50 + t].set(k_win[0].swapaxes(0, 1))
