@@ -10,6 +10,7 @@
 # (e.g. --profile) go to the batch job, SPEC_ARGS (e.g. --profile) to bench_spec.py; SPEC_FLAG_AB='f1;f2' times the
 # eagle chain under no XLA_FLAGS and under each setting given; SPEC_ENV_AB='A=1;A=0' the same under each set of
 # environment assignments; SERVE_ENV_AB='A=1;A=0' runs bench_serve under each (SERVE_AB_SECONDS a run).
+# OLD_CODE=.gl/old times the greedy chain and tree under this code, an older commit's, and this again.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:.
@@ -75,6 +76,19 @@ if [ -n "${SPEC_ENV_AB:-}" ]; then
       --drafters eagle --ks 4 --temps 0 --no-synthetic --no-self-draft --budget "${SPEC_AB_SECONDS:-110}" \
       ${SPEC_AB_ARGS:---tree 0} > "$OUT/spec_env$i.log" 2>&1
     echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup|a prompt:" "$OUT/spec_env$i.log" | tail -8
+  done
+fi
+if [ -n "${OLD_CODE:-}" ]; then
+  # the same greedy eagle chain and tree under this checkout and under an older commit's code on one machine (host
+  # or code?): OLD_CODE a folder made here by `mkdir -p .gl/old && git archive COMMIT lucebox_jax pallas_kernels
+  # benchmarks/bench_spec.py run.py | tar x -C .gl/old`, carried (`carry: [".gl/old", ...]`); OLD_AB_SECONDS a run
+  ln -sfn "$PWD/checkpoints" "$OLD_CODE/checkpoints"
+  for side in new1 old new2; do
+    dir=.; [ "$side" = old ] && dir="$OLD_CODE"
+    (cd "$dir" && timeout $(( ${OLD_AB_SECONDS:-100} + 40 )) python3 benchmarks/bench_spec.py --model "$M" \
+      --drafters eagle --ks 4 --tree 0,15@5 --temps 0 --no-synthetic --no-self-draft --reserve 0 \
+      --budget "${OLD_AB_SECONDS:-100}") > "$OUT/code_ab_$side.log" 2>&1
+    echo "$side:"; grep -E "accepted .*speedup|a prompt:" "$OUT/code_ab_$side.log" | tail -4
   done
 fi
 if [ "${SERVE:-1}" = 1 ]; then
