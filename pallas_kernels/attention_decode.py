@@ -248,19 +248,21 @@ PACK_WINDOWS = os.environ.get("LUCEBOX_ATTN_PACK", "")
 PACK_MIN_HEAD_DIM = 128
 PACKED_MIN_PROGRAMS = 64  # splits for packed windows: (windows x kv heads x splits) >= this many programs
 # Calls whose rows map onto cache rows (a verify's window, a tree's nodes) at head dims below 128 (the embedded
-# model's 64) take one split: no merge kernel (30 a verify; tree step 495 -> 464 kernels, AOT), and on an H100
-# (2026-12-07) the chain and tree steps cost 2-10% less in plain steps (benchmarks/RESULTS.md). Head dim 128 (the 8B
-# verify, long caches) was not measured so and keeps its splits. LUCEBOX_ATTN_ROW_SPLITS=N sets N at every head dim,
-# =0 restores the splits chosen by the grid (decode steps are never affected).
+# model's 64) in caches up to 256 slots take one split: no merge kernel (30 a verify; tree step 495 -> 464 kernels,
+# AOT), and on an H100 (2026-12-07; chat prompts and 96 new tokens: 256-slot caches) the chain and tree steps cost
+# 2-10% less in plain steps (benchmarks/RESULTS.md). Longer caches (one program would read a long prefix alone) and
+# head dim 128 (the 8B verify) were not measured so and keep the grid's splits. LUCEBOX_ATTN_ROW_SPLITS=N sets N for
+# every such call, =0 restores the grid's splits (decode steps are never affected).
 ROW_SPLITS = os.environ.get("LUCEBOX_ATTN_ROW_SPLITS", "")
 ROW_SPLITS_MAX_HEAD_DIM = 64
+ROW_SPLITS_MAX_SEQ = 256
 
 
-def row_splits(d: int) -> int:
-    """Splits for a call whose rows map onto cache rows at head dim d (0: chosen by the grid)."""
+def row_splits(d: int, s: int) -> int:
+    """Splits for a call whose rows map onto cache rows, head dim d, cache length s (0: chosen by the grid)."""
     if ROW_SPLITS.strip():
         return int(ROW_SPLITS)
-    return 1 if d <= ROW_SPLITS_MAX_HEAD_DIM else 0
+    return 1 if d <= ROW_SPLITS_MAX_HEAD_DIM and s <= ROW_SPLITS_MAX_SEQ else 0
 
 
 def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False, mapped_rows: bool = False,
@@ -290,8 +292,8 @@ def default_config(b: int, hkv: int, s: int, d: int, row_invariant: bool = False
     else:
         narrow = d >= 128 and s <= WIDE_HEAD_32_MAX_SEQ and not mapped_rows
         cfg = dict(block_k=32 if narrow else 64, n_split=None, num_warps=4, num_stages=3, combine=combine)
-    if mapped_rows and row_splits(d) > 0:
-        cfg["n_split"] = row_splits(d)
+    if mapped_rows and row_splits(d, s) > 0:
+        cfg["n_split"] = row_splits(d, s)
     return {**cfg, **env_overrides()}
 
 

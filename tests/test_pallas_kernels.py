@@ -611,22 +611,23 @@ def test_tree_nodes_as_decode_rows(b, t, hq, hkv, s, d, vis, dt, kw):
 
 
 def test_row_splits(monkeypatch):
-    """Calls whose rows map onto cache rows (verify windows, tree nodes) take one split at head dim 64 (no merge
-    kernel), keep the grid's at 128; LUCEBOX_ATTN_ROW_SPLITS overrides (0: the grid's); decode steps never change.
-    With one split the tree's kernel normalises its output itself: the same result."""
+    """Calls whose rows map onto cache rows (verify windows, tree nodes) take one split at head dim 64 in caches up to
+    256 slots (no merge kernel), keep the grid's at 128 or longer; LUCEBOX_ATTN_ROW_SPLITS overrides (0: the grid's);
+    decode steps never change. With one split the tree's kernel normalises its output itself: the same result."""
     import pallas_kernels.attention_decode as ad
     import pallas_kernels.attention_tree as at
 
     monkeypatch.setattr(ad, "ROW_SPLITS", "")
-    base = ad.default_config(1, 3, 512, 64)
-    assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] == 1
-    assert ad.default_config(16, 8, 512, 128, mapped_rows=True)["n_split"] is None
+    base = ad.default_config(1, 3, 256, 64)
+    assert ad.default_config(16, 3, 256, 64, mapped_rows=True)["n_split"] == 1
+    assert ad.default_config(16, 8, 256, 128, mapped_rows=True)["n_split"] is None
+    assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] is None  # a longer cache keeps its splits
     monkeypatch.setattr(ad, "ROW_SPLITS", "0")
-    assert ad.default_config(16, 3, 512, 64, mapped_rows=True)["n_split"] is None
-    assert ad.default_config(1, 3, 512, 64) == base
+    assert ad.default_config(16, 3, 256, 64, mapped_rows=True)["n_split"] is None
+    assert ad.default_config(1, 3, 256, 64) == base
     monkeypatch.setattr(ad, "ROW_SPLITS", "2")
-    assert ad.default_config(16, 8, 512, 128, mapped_rows=True)["n_split"] == 2
-    assert ad.default_config(1, 3, 512, 64) == base
+    assert ad.default_config(16, 8, 4096, 128, mapped_rows=True)["n_split"] == 2
+    assert ad.default_config(1, 3, 256, 64) == base
     monkeypatch.setattr(ad, "ROW_SPLITS", "")
     b, t, hq, hkv, s, d, vis, dt = 1, 5, 9, 3, 128, 64, [50], jnp.float32
     q, k, v, k_win, v_win, anc = _tree_inputs(b, t, hq, hkv, s, d, dt, 7)
