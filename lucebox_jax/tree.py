@@ -45,12 +45,25 @@ SAMPLE_CHILDREN = os.environ.get("LUCEBOX_TREE_SAMPLE", "1") != "0"
 SEQUENTIAL_WALK = os.environ.get("LUCEBOX_TREE_WALK", "") == "seq"
 
 
-def draft_children(logits, rp, positions, w: int, sample: bool):
+def children_noise(rp, positions, s: int, v: int):
+    """The Gumbel noise [B, J, s, V] with which sampled rows draw s nodes' children at each of positions [B, J]: node
+    i's at position p from the row's key at (p, TAG_TREE_DRAFT) folded with i, so a level's draw does not depend on
+    how many levels were drawn at once (`draft_children`'s `noise` takes one position's [B, S, V], S <= s)."""
+    keys = keys_at(rp.keys, positions, TAG_TREE_DRAFT)  # [B, J]
+
+    def node(k, i):
+        return jax.random.gumbel(jax.random.fold_in(k, i), (v,), jnp.float32)
+
+    return jax.vmap(jax.vmap(lambda k: jax.vmap(lambda i: node(k, i))(jnp.arange(s))))(keys)
+
+
+def draft_children(logits, rp, positions, w: int, sample: bool, noise=None):
     """Children of S draft nodes from their logits [B, S, V] (log probabilities up to a constant a node: only the
     w chosen are normalised, by the row's logsumexp, so no [B, S, V] log-softmax is written); the children sit at
     positions [B]. -> scores [B, S, w] (the w largest log probabilities, sorted: the beam ranks children by these),
     tokens [B, S, w] and q [B, S, V] or None. Greedy rows (and every row unless `sample`) take the w most likely
-    tokens; sampled rows w draws without replacement from q, the row's filtered draft distribution, in draw order."""
+    tokens; sampled rows w draws without replacement from q, the row's filtered draft distribution, in draw order.
+    noise: those draws' Gumbel noise [B, S, V] made beforehand (`children_noise`; the same values), else made here."""
     logits = logits.astype(jnp.float32)
     score, top = top_k_wide(logits, w)
     score = score - logsumexp(logits)
@@ -64,11 +77,8 @@ def draft_children(logits, rp, positions, w: int, sample: bool):
                           sort=sort)
         logq = log_softmax(x).reshape(b, s, v)
 
-        def noise(k):  # node i's draws
-            return jax.vmap(lambda i: jax.random.gumbel(jax.random.fold_in(k, i), (v,), jnp.float32))(jnp.arange(s))
-
-        keys = keys_at(rp.keys, positions[:, None], TAG_TREE_DRAFT)[:, 0]
-        _, drawn = top_k_wide(logq + jax.vmap(noise)(keys), w)
+        g = children_noise(rp, positions[:, None], s, v)[:, 0] if noise is None else noise
+        _, drawn = top_k_wide(logq + g, w)
         return jnp.where((rp.temperature > 0)[:, None, None], drawn, top), jnp.exp(logq)
 
     tok, q = by_temperature(rp, v, lambda: (top, jnp.zeros(logits.shape, jnp.float32)), stochastic)

@@ -219,6 +219,13 @@ def test_propose_tree_samples_a_whole_beam(eng):
     w, depth = 3, 4
     rp = RowParams.from_params([SamplingParams(temperature=t, seed=7) for t in (0.9, 0.0, 1.2, 0.7)])
     toks, parent, dep, q = (np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth, rp=rp)[:4])
+    # a static sampling mode draws every level's noise at once (`children_noise`): the same tree
+    static = RowParams.from_params([SamplingParams(temperature=t, seed=7) for t in (0.9, 0.0, 1.2, 0.7)], static=True)
+    assert static.mode and rp.mode is None
+    once = [np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth, rp=static)[:4]]
+    for a, c in zip((toks, parent, dep), once):
+        np.testing.assert_array_equal(a, c)
+    np.testing.assert_allclose(q, once[3], atol=1e-6)
     plain = [np.asarray(a) for a in d.propose_tree(d.params, st, tok, start, w, depth)[:3]]
     for a, c in zip((toks, parent, dep), plain):
         np.testing.assert_array_equal(a[1], c[1])  # the greedy row

@@ -359,7 +359,7 @@ class EagleDrafter(Drafter):
         -> tokens [B, N], parent [B, N] (window index, 0 = the root `tok`), depth [B, N] (1..depth), q
         [B, 1 + N, V] (each window node's draft distribution; None unless sampled trees are possible) and the
         state; nodes in window order are shallow first, parents before children, at most `width` children a node."""
-        from ..tree import draft_children
+        from ..tree import children_noise, draft_children
 
         hc = self.hc
         tree_kernel = self.target.kernels.attention_tree
@@ -369,7 +369,12 @@ class EagleDrafter(Drafter):
         n_nodes = nodes or w * depth
         sample = rp is not None and n_nodes == w * depth
         logits = params.draft_logits(hc, state.h_last, self.target.kernels)
-        score, ftok, q_root = draft_children(logits[:, None], rp, start + 1, w, sample)
+        # rows known to sample (a static mode): every level's Gumbel noise in one draw (the same values a level
+        # would draw; one RNG program instead of one a level); a dynamic mode leaves greedy batches without it
+        noise = (children_noise(rp, start[:, None] + 1 + jnp.arange(depth, dtype=start.dtype)[None], w,
+                                logits.shape[-1]) if sample and rp.mode else None)
+        level = (lambda d, s: None if noise is None else noise[:, d, :s])  # noqa: E731
+        score, ftok, q_root = draft_children(logits[:, None], rp, start + 1, w, sample, level(0, 1))
         score, ftok = score[:, 0], ftok[:, 0]  # [B, W]
         g = jnp.broadcast_to(state.h_last[:, None], (b, w, hc.dim))
         # the keys drafted so far, each at a fixed window index: frontier slot i's key at depth d is (d - 1) * W + i;
@@ -403,7 +408,7 @@ class EagleDrafter(Drafter):
             o = tree_attention(q, kc, vc, start, kw, vw, anc, scale=1.0 / math.sqrt(hc.head_dim), **extra)
             h = head_out(hc, params.head, g, o.reshape(b, w, hc.q_dim))
             logits = params.draft_logits(hc, h, self.target.kernels)
-            top_lp, top_tok, q_front = draft_children(logits, rp, start + 1 + d, w, sample)  # [B, W, W]
+            top_lp, top_tok, q_front = draft_children(logits, rp, start + 1 + d, w, sample, level(d, w))  # [B, W, W]
             fronts.append(frontier)
             q_fronts.append(q_front)
             cand = (score[:, :, None] + top_lp).reshape(b, w * w)
