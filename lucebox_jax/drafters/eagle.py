@@ -370,7 +370,8 @@ class EagleDrafter(Drafter):
         sample = rp is not None and n_nodes == w * depth
         logits = params.draft_logits(hc, state.h_last, self.target.kernels)
         # rows known to sample (a static mode): every level's Gumbel noise in one draw (the same values a level
-        # would draw; one RNG program instead of one a level); a dynamic mode leaves greedy batches without it
+        # would draw; one RNG program instead of one a level). With the mode decided on device each level draws its
+        # own inside the sampled branch, so that an all-greedy batch draws none
         noise = (children_noise(rp, start[:, None] + 1 + jnp.arange(depth, dtype=start.dtype)[None], w,
                                 logits.shape[-1]) if sample and rp.mode else None)
         level = (lambda d, s: None if noise is None else noise[:, d, :s])  # noqa: E731
