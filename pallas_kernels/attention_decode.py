@@ -248,11 +248,11 @@ PACK_WINDOWS = os.environ.get("LUCEBOX_ATTN_PACK", "")
 PACK_MIN_HEAD_DIM = 128
 PACKED_MIN_PROGRAMS = 64  # splits for packed windows: (windows x kv heads x splits) >= this many programs
 # Calls whose rows map onto cache rows (a verify's window, a tree's nodes) at head dims up to 64 (the embedded
-# model's 64) in caches up to 256 slots take one split: no merge kernel (30 a verify; tree step 495 -> 464 kernels,
+# model's) in caches up to 256 slots take one split: no merge kernel (30 a verify; tree step 495 -> 464 kernels,
 # AOT), and on an H100 (2026-12-07; chat prompts and 96 new tokens: 256-slot caches) the chain and tree steps cost
-# 2-10% less in plain steps (benchmarks/RESULTS.md). Longer caches (one program would read a long prefix alone) and
-# head dim 128 (the 8B verify) were not measured so and keep the grid's splits. LUCEBOX_ATTN_ROW_SPLITS=N sets N for
-# every such call, =0 restores the grid's splits (decode steps are never affected).
+# 2-4% fewer plain steps, 2-10% fewer ms (benchmarks/RESULTS.md). Longer caches (one program would read a long
+# prefix alone) and head dim 128 (the 8B verify) were not measured so and keep the grid's splits.
+# LUCEBOX_ATTN_ROW_SPLITS=N sets N for every such call, =0 restores the grid's splits (decode steps never change).
 ROW_SPLITS = os.environ.get("LUCEBOX_ATTN_ROW_SPLITS", "")
 ROW_SPLITS_MAX_HEAD_DIM = 64
 ROW_SPLITS_MAX_SEQ = 256

@@ -53,8 +53,9 @@ def attention_tree(q, k, v, n_visible, k_win, v_win, anc, *, scale: float, rows_
         a = a.reshape(b, c, hkv, r, *a.shape[2:]).swapaxes(1, 2).reshape(b, hkv, c * r, *a.shape[2:])
         return a[:, :, :n].reshape(b, hkv, g, t, *a.shape[3:])
 
-    if decode_kernel.row_splits(d, k.shape[2]) > 0:  # a tree's nodes take the verify rows' splits
-        cfg.setdefault("n_split", decode_kernel.row_splits(d, k.shape[2]))
+    splits = decode_kernel.row_splits(d, k.shape[2])  # a tree's nodes take the verify rows' splits
+    if splits > 0:
+        cfg.setdefault("n_split", splits)
     qr = tiles(q.reshape(b, t, hkv, g, d))
     cache_row = jnp.repeat(jnp.arange(b, dtype=jnp.int32), c)
     lengths = jnp.repeat(n_visible.astype(jnp.int32), c)
