@@ -78,6 +78,24 @@ if [ -n "${SPEC_ENV_AB:-}" ]; then
     echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup|a prompt:" "$OUT/spec_env$i.log" | tail -8
   done
 fi
+if [ -n "${DECODE_ENV_AB:-}" ]; then
+  # plain decoding (bench_decode.py, the embedded model's shapes, random weights; DECODE_AB_ARGS) under each
+  # ';'-separated set of environment assignments, one process each, e.g. DECODE_ENV_AB='LUCEBOX_SPLIT_O=1;
+  # LUCEBOX_SPLIT_O=0;LUCEBOX_SPLIT_O=1'; then greedy tokens of the real GGUF under each (equal or not)
+  IFS=';' read -ra DEC_SETS <<< "${DECODE_ENV_AB}"
+  for i in "${!DEC_SETS[@]}"; do
+    env ${DEC_SETS[$i]} OUT="$OUT/decode_ab$i" timeout 200 python3 benchmarks/bench_decode.py --models smollm2-135m \
+      --xla-batches '' ${DECODE_AB_ARGS:---batches 1,8 --ctx 256 --reps 3} > "$OUT/decode_ab$i.log" 2>&1
+    echo "${DEC_SETS[$i]}:"; grep -E "^smollm2" "$OUT/decode_ab$i.log" | tail -4
+    env ${DEC_SETS[$i]} timeout 120 python3 run.py --model "$M" --prompt "Explain in three sentences why the sky is blue." \
+      --max-tokens 96 --temperature 0 --token-ids --output-format json > "$OUT/greedy_ab$i.json" 2> "$OUT/greedy_ab$i.err"
+  done
+  python3 - "$OUT" "${#DEC_SETS[@]}" <<'PY'
+import json, sys
+runs = [json.load(open(f"{sys.argv[1]}/greedy_ab{i}.json"))["token_ids"] for i in range(int(sys.argv[2]))]
+print("greedy tokens equal under every set:", all(r == runs[0] for r in runs), [len(r) for r in runs])
+PY
+fi
 if [ -n "${OLD_CODE:-}" ]; then
   # the same greedy eagle chain and tree under this checkout and under an older commit's code on one machine (host
   # or code?): OLD_CODE a folder made here by `mkdir -p .gl/old && git archive COMMIT lucebox_jax pallas_kernels
@@ -123,4 +141,5 @@ print("greedy mgpu == xla" if a == b else f"greedy mgpu != xla: first difference
 PY
 fi
 # the device returns at most a few files: logs and the head go back in one archive
-(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.err *.json serve_ab* "$(basename "$HEAD")" 2>/dev/null; ls)
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.err *.json serve_ab* decode_ab* "$(basename "$HEAD")" \
+  2>/dev/null; ls)

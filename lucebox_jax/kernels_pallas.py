@@ -57,13 +57,16 @@ else:
         return m > _PALLAS_MAX_M and not _interpret() and not _invariant()
 
     # parts=True: the product as a tuple of partial sums (`quant.linear_parts`; split-K's as the kernel wrote them)
+    # x_splits: x as a split decode attention's unmerged output (x None; `lucebox_jax.attention_splits`), merged by
+    # the kernel as it loads x
     @ops.register("qmatmul", "pallas", default_on=_on("qmatmul"))
-    def qmatmul_pallas_op(x, w, parts=False):
-        k = x.shape[-1]
-        if not _pow2(w.group_size) or (k // 2) % w.group_size or _to_xla(x.shape[0]):
-            y = kernels_xla.qmatmul_xla(x, w)
+    def qmatmul_pallas_op(x, w, parts=False, x_splits=None):
+        m, k = x.shape if x_splits is None else x_splits.shape
+        if not _pow2(w.group_size) or (k // 2) % w.group_size or _to_xla(m):
+            y = kernels_xla.qmatmul_xla(x if x_splits is None else x_splits.merged(), w)
             return (y[None],) if parts else y
-        return qmatmul_pallas(x, w, interpret=_interpret(), row_invariant=_invariant(), parts=parts)
+        return qmatmul_pallas(x, w, interpret=_interpret(), row_invariant=_invariant(), parts=parts,
+                              x_splits=x_splits)
 
     @ops.register("qmatmul8", "pallas", default_on=_on("qmatmul8"))
     def qmatmul8_pallas_op(x, w, parts=False):
@@ -82,7 +85,9 @@ else:
 
     @ops.register("attention_decode", "pallas", default_on=_on("attention_decode"))
     def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
-                                   window_rows=0, window_anc=None, out_rows=0, prologue=None):
+                                   window_rows=0, window_anc=None, out_rows=0, prologue=None, split_out=False):
+        # split_out: a decode step's splits may come back unmerged (`AttentionSplits`), for an `o` matmul that takes
+        # `x_splits`; the XLA fallbacks below return the output
         # a sliding window (Gemma's local layers) runs in the kernel for decode rows and a chain's window, not a
         # tree's nodes (their positions are their depths, not their slots: those go to XLA)
         sliding = window if SLIDING and _windowed(k, window) and window_anc is None and window_rows <= window else 0
@@ -94,7 +99,8 @@ else:
                             k_norm=prologue.k_norm)
                 return attention_decode_pallas(q[0], k, v, lengths, append=True, sliding=sliding, scale=scale,
                                                interpret=_interpret(), prologue=args, prologue_eps=prologue.eps,
-                                               prologue_dim=prologue.width, rope_interleaved=prologue.interleaved)
+                                               prologue_dim=prologue.width, rope_interleaved=prologue.interleaved,
+                                               split_out=split_out)
             q = prologue.apply(q)  # in jnp, then as any decode step
         if not _pow2(q.shape[-1]) or (_windowed(k, window) and not sliding):
             if window_anc is not None:  # a tree's nodes as decode rows: XLA's tree attention, the window written first
@@ -115,7 +121,7 @@ else:
                                                           words.shape[1]))
         return attention_decode_pallas(q, k, v, lengths, rows, win_mask, append=append, window_rows=window_rows,
                                        out_rows=out_rows, sliding=sliding, scale=scale, interpret=_interpret(),
-                                       row_invariant=_invariant())
+                                       row_invariant=_invariant(), split_out=split_out and rows is None)
 
     @ops.register("attention_prefill", "pallas", default_on=_on("attention_prefill"))
     def attention_prefill_pallas_op(q, k, v, start, *, scale, window=None):

@@ -130,6 +130,9 @@ def tree_rows_limit(head_dim: int) -> int:
     return 64 if head_dim >= 128 else 32
 
 
+# a decode step's attention splits handed to the `o` matmul unmerged where its kernel merges them on its loads
+# (`attention_splits.py`: no merge kernel a layer); LUCEBOX_SPLIT_O=0 merges them first (the A/B in benchmarks)
+SPLIT_O = os.environ.get("LUCEBOX_SPLIT_O", "1") != "0"
 # the residual stream kept at the matmul kernel's padded rows (ops.padded_rows; LUCEBOX_PAD_ROWS=0: the kernel pads
 # each input itself, the A/B in benchmarks)
 PAD_ROWS = os.environ.get("LUCEBOX_PAD_ROWS", "1") != "0"
@@ -333,6 +336,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
     prologue = (append and QKV_PROLOGUE and not quant.ROW_INVARIANT and (b <= QKV_PROLOGUE_ROWS or cfg.qk_norm)
                 and ops.accepts("attention_decode", kernels.attention_decode, "prologue"))
+    split_o = ({"split_out": True} if append and SPLIT_O and n_rows == b * t and quant.takes_splits(lw0.wo, kernels)
+               and ops.accepts("attention_decode", kernels.attention_decode, "split_out") else {})
     rope_of = {}  # a decode step's RoPE tables, once per (theta, scale)
     append_rows = (as_decode and APPEND_VERIFY and not quant.ROW_INVARIANT
                    and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
@@ -352,8 +357,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             if (theta, pos_scale) not in rope_of:
                 rope_of[theta, pos_scale] = rope_tables(positions[:, 0], hd, theta, pos_scale)
             o, kc, vc = _prologue_attend(cfg, kernels, attn, lw, x, cache.k[i], cache.v[i], start,
-                                         rope_of[theta, pos_scale], scale, extra)
-            o = o[:, None]
+                                         rope_of[theta, pos_scale], scale, {**extra, **split_o})
+            o = o if split_o else o[:, None]
         else:
             qkv = unpad(normed_linear(x, lw.attn_norm, cfg.rms_eps, lw.wqkv, lw.bqkv, kernels=kernels))
             q, k, v = split_parts(qkv, lw.qkv_groups, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim))
@@ -365,8 +370,8 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             k = rope(k, positions, theta, cfg.rope_interleaved, pos_scale)
             if append:  # the kernel writes the step's K/V into the cache and attends, in one call
                 o, kc, vc = attn(jnp.concatenate([q, k, v], axis=2)[:, 0], cache.k[i], cache.v[i], start + 1,
-                                 scale=scale, append=True, **extra)
-                o = o[:, None]
+                                 scale=scale, append=True, **extra, **split_o)
+                o = o if split_o else o[:, None]
             elif append_rows or (tree_rows_anc is not None and window is None):
                 # B * T decode rows (as `_attend`'s as_decode), the kernel writing the window; a tree's node t sits at
                 # slot start + t (its position is its depth's) and sees the window keys of its ancestors
@@ -383,8 +388,11 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
                             tree_as_decode, tree_extra)
         new_k.append(kc)
         new_v.append(vc)
-        o = linear(o.reshape(n_rows, hq * hd) if o.ndim == 3 else pad(o.reshape(b, t, hq * hd)),  # 3: out_rows
-                   lw.wo, kernels=kernels)
+        if split_o and decode:  # the kernel's splits unmerged (`AttentionSplits`), or its output at one split
+            o = linear(o if hasattr(o, "merged") else o.reshape(b, hq * hd), lw.wo, kernels=kernels)[:, None]
+        else:
+            o = linear(o.reshape(n_rows, hq * hd) if o.ndim == 3 else pad(o.reshape(b, t, hq * hd)),  # 3: out_rows
+                       lw.wo, kernels=kernels)
         x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
         gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels),
                                lw.gate_up_groups, (cfg.ffn_dim, cfg.ffn_dim))

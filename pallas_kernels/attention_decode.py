@@ -54,6 +54,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lucebox_jax.attention_splits import AttentionSplits
+
 from .attention_window import bits_visible, merge_visible, packed_tiles, position_blocks, window_kernel
 from .int4_matmul import ordered_sum
 
@@ -256,6 +258,12 @@ PACKED_MIN_PROGRAMS = 64  # splits for packed windows: (windows x kv heads x spl
 ROW_SPLITS = os.environ.get("LUCEBOX_ATTN_ROW_SPLITS", "")
 ROW_SPLITS_MAX_HEAD_DIM = 64
 ROW_SPLITS_MAX_SEQ = 256
+# split_out hands at most this many splits (64 for one row) of at most this many rows to the `o` matmul unmerged: its
+# programs load [16 rows, splits, block_k] of them (one row: [1, ...]), which compile for an H200 up to 16 splits
+# (AOT; the matmul's software pipeline off, `qmatmul_pallas`)
+SPLIT_OUT_MAX = int(os.environ.get("LUCEBOX_SPLIT_OUT_MAX", "16"))
+SPLIT_OUT_MAX_ONE_ROW = 64
+SPLIT_OUT_MAX_ROWS = 16
 
 
 def row_splits(d: int, s: int) -> int:
@@ -316,14 +324,14 @@ def env_overrides() -> dict:
     jax.jit,
     static_argnames=("scale", "block_k", "n_split", "num_warps", "num_stages", "interpret", "min_programs",
                      "row_invariant", "partials", "combine", "append", "window_rows", "out_rows", "pack", "sliding",
-                     "prologue_eps", "prologue_dim", "rope_interleaved"),
+                     "prologue_eps", "prologue_dim", "rope_interleaved", "split_out"),
 )
 def attention_decode(
     q, k, v, lengths, rows=None, win_mask=None, *, scale: float, block_k: int = 64, n_split: int | None = None,
     num_warps: int = 4, num_stages: int = 3, interpret: bool = False, min_programs: int = 264,
     row_invariant: bool = False, partials: bool = False, combine: str = "xla", append: bool = False,
     window_rows: int = 0, out_rows: int = 0, pack: bool = False, sliding: int = 0, prologue: dict | None = None,
-    prologue_eps: float = 0.0, prologue_dim: int = 0, rope_interleaved: bool = False,
+    prologue_eps: float = 0.0, prologue_dim: int = 0, rope_interleaved: bool = False, split_out: bool = False,
 ):
     """q [B, Hq, D], k/v [Bc, Hkv, S, D], lengths [B] int32, rows [B] int32 (cache row of each query row; None:
     row b reads cache row b) -> [B, Hq, D] (q.dtype).
@@ -353,7 +361,9 @@ def attention_decode(
     `sin` [B, D] (full-width tables: `lucebox_jax.qkv_prologue.full_tables`) and `q_norm`, `k_norm` [D] or None:
     the kernel sums the partials, scales each row by its attention norm (rsqrt(row_sumsq / `prologue_dim` + eps),
     the model's width and eps `prologue_eps`), norms each head (same eps) and rotates it (pairs (i, i +
-    D/2), or (2i, 2i + 1) with `rope_interleaved`), rounding to the caches' dtype where `QKVPrologue.apply` does."""
+    D/2), or (2i, 2i + 1) with `rope_interleaved`), rounding to the caches' dtype where `QKVPrologue.apply` does.
+    split_out=True: with 1 < n_split <= SPLIT_OUT_MAX[_ONE_ROW] (B <= SPLIT_OUT_MAX_ROWS) the splits come back unmerged, as `lucebox_jax.attention_splits.AttentionSplits`
+    (for an `o` matmul that merges them on its loads: no merge kernel); not with partials, row_invariant or out_rows."""
     _, hkv, seq, _ = k.shape
     pro, pro_args, out_dtype = None, [], q.dtype
     if prologue is not None:
@@ -432,32 +442,28 @@ def attention_decode(
     assert not (partials and out_rows > bsz), "out_rows is for a finished output"
     merge = functools.partial(_merge_splits, dtype=out_dtype, bsz=bsz, hq=hq, d=d, n_split=n_split, partials=partials,
                               row_invariant=row_invariant, combine=combine, interpret=interpret,
-                              out_rows=max(out_rows, bsz))
+                              out_rows=max(out_rows, bsz), split_out=split_out)
     if append:
         *outs, k, v = outs
         return merge(outs), k, v
     return merge(outs)
 
 
-def _merge_splits(outs, *, dtype, bsz, hq, d, n_split, partials, row_invariant, combine, interpret, out_rows):
+def _merge_splits(outs, *, dtype, bsz, hq, d, n_split, partials, row_invariant, combine, interpret, out_rows,
+                  split_out=False):
     """The kernel's outputs -> the attention output: as they are (one split), or the splits merged; out_rows rows,
-    zero past bsz (by the combine kernel, else a pad)."""
+    zero past bsz (by the combine kernel, else a pad); split_out: the splits unmerged (`AttentionSplits`)."""
     hkv = outs[0].shape[1]
     g = hq // hkv
     pad = lambda o: o if out_rows == bsz else jnp.pad(o, ((0, out_rows - bsz), (0, 0), (0, 0)))  # noqa: E731
     if n_split == 1 and not partials:
         return pad(outs[0].reshape(bsz, hq, d))
     o, m, l = outs
+    if split_out and not (partials or row_invariant) and out_rows == bsz and bsz <= SPLIT_OUT_MAX_ROWS \
+            and n_split <= (SPLIT_OUT_MAX_ONE_ROW if bsz == 1 else SPLIT_OUT_MAX):
+        return AttentionSplits(o, m, l, dtype=jnp.dtype(dtype).name)
     if combine == "kernel" and not (partials or row_invariant):
-        out = pl.pallas_call(
-            functools.partial(_combine_kernel, n_split=n_split, nsp=_next_pow2(n_split), bsz=bsz),
-            out_shape=jax.ShapeDtypeStruct((out_rows, hkv, g, d), dtype),
-            grid=(out_rows, hkv, g),
-            compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-            interpret=interpret,
-            name="attention_decode_combine",
-        )(o, m, l)
-        return out.reshape(out_rows, hq, d)
+        return _combine(o, m, l, dtype, out_rows, interpret)
     assert combine in ("xla", "kernel"), combine
     m_max = jnp.max(m, axis=2, keepdims=True)
     w = jnp.exp2(m - m_max)  # [B, Hkv, ns, G]
@@ -468,6 +474,26 @@ def _merge_splits(outs, *, dtype, bsz, hq, d, n_split, partials, row_invariant, 
         return o_tot.reshape(bsz, hq, d), m_max[:, :, 0].reshape(bsz, hq), l_tot.reshape(bsz, hq)
     out = o_tot / jnp.where(l_tot > 0, l_tot, 1.0)[..., None]
     return pad(out.reshape(bsz, hq, d).astype(dtype))
+
+
+def _combine(o, m, l, dtype, out_rows: int, interpret: bool):  # noqa: E741
+    """The splits merged by `_combine_kernel` -> [out_rows, Hq, D] in dtype (zero past o's rows)."""
+    bsz, hkv, n_split, g, d = o.shape
+    out = pl.pallas_call(
+        functools.partial(_combine_kernel, n_split=n_split, nsp=_next_pow2(n_split), bsz=bsz),
+        out_shape=jax.ShapeDtypeStruct((out_rows, hkv, g, d), dtype),
+        grid=(out_rows, hkv, g),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="attention_decode_combine",
+    )(o, m, l)
+    return out.reshape(out_rows, hkv * g, d)
+
+
+def merge_splits(splits: AttentionSplits, interpret: bool = False) -> jax.Array:
+    """A split_out call's splits merged by the combine kernel, as the call would have: [B, Hq * D]."""
+    out = _combine(splits.o, splits.m, splits.l, jnp.dtype(splits.dtype), splits.o.shape[0], interpret)
+    return out.reshape(splits.shape)
 
 
 def attention_decode_reference(q, k, v, lengths, rows=None, *, scale: float, sliding: int = 0):

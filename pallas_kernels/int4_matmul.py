@@ -210,10 +210,34 @@ def _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def _split_cols(o_ref, m_ref, l_ref, rows, c0, bk, m_rows, split):
+    """Columns c0 .. c0 + bk of a split attention's output for `rows`, merged here (`AttentionSplits`): the refs are
+    its o [B, Hkv * S * G * D], m and l [B, Hkv * S * G], float32. -> [len(rows), bk] in the output's dtype."""
+    hkv, ns, nsp, gq, d, dtype = split
+    c = c0 + jnp.arange(bk)
+    head = c // d
+    s = jnp.arange(nsp)
+    mi = ((head // gq)[None, :] * ns + s[:, None]) * gq + (head % gq)[None, :]  # [nsp, bk]: (kv, split, q head)
+    mask = (rows < m_rows)[:, None, None] & (s < ns)[None, :, None]
+    r = rows[:, None, None]
+    o = plgpu.load(o_ref.at[r, (mi * d + (c % d)[None, :])[None]], mask=mask, other=0.0)
+    m = plgpu.load(m_ref.at[r, mi[None]], mask=mask, other=_NEG)
+    l = plgpu.load(l_ref.at[r, mi[None]], mask=mask, other=0.0)  # noqa: E741
+    w = jnp.exp2(m - jnp.max(m, axis=1, keepdims=True))
+    l_tot = jnp.sum(w * l, axis=1)
+    return (jnp.sum(w * o, axis=1) / jnp.where(l_tot > 0, l_tot, 1.0)).astype(dtype)
+
+
+_NEG = -1e30  # a masked split's maximum (the attention kernel's)
+
+
 def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode, decode, has_mins, out_partial,
-            m_rows, scales_mode="tile", reduce="xla"):
+            m_rows, scales_mode="tile", reduce="xla", split=None):
     if reduce == "atomic" and out_partial:  # last input: the zeroed float32 output it aliases (unused here)
         refs = refs[:-2] + refs[-1:]
+    split_refs = None
+    if split is not None:  # x is a split attention's (o, m, l): merged as it loads (`_split_cols`); l's ref
+        split_refs, refs = refs[:3], refs[2:]  # stays in x's place below, never read as x
     if has_mins:
         x_ref, c_ref, s_ref, m_ref, o_ref = refs
     else:
@@ -230,10 +254,12 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
     t0 = pid_k * tiles_per_split
     t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
     m0 = pid_m * bm
-    cdt = jnp.bfloat16 if decode == "asm" else x_ref.dtype
+    cdt = jnp.bfloat16 if decode == "asm" else jnp.dtype(split[5]) if split is not None else x_ref.dtype
     rmask, sm = row_masks(m0, bm, m_rows, cmask, ragged, sm)
 
     def load_x(c0):
+        if split_refs is not None:
+            return _split_cols(*split_refs, m0 + jnp.arange(bm), c0, bk, m_rows, split).astype(cdt)
         if rmask is None:
             return x_ref[pl.ds(m0, bm), pl.ds(c0, bk)].astype(cdt)
         return plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(c0, bk)], mask=rmask[:, None], other=0).astype(cdt)
@@ -266,6 +292,11 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
             hi = plgpu.load(ref.at[rows[:, None] + nh, cols[None, :]], **lmg)
             return lo.astype(jnp.float32), hi.astype(jnp.float32)
 
+    def row_x(c0):  # the one row's x columns c0 .. c0 + bk, float32 (the FMA modes: M == 1)
+        if split_refs is not None:
+            return _split_cols(*split_refs, jnp.zeros((1,), jnp.int32), c0, bk, m_rows, split)[0].astype(jnp.float32)
+        return x_ref[0, pl.ds(c0, bk)].astype(jnp.float32)
+
     def body(t, acc):
         r0 = pl.multiple_of(t * bk, bk)
         c = plgpu.load(c_ref.at[pl.ds(r0, bk), pl.ds(n0, bn)], **lm)
@@ -274,8 +305,7 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
         if m_ref is not None:
             m_lo, m_hi = load_scales(m_ref, r0)
         if decode == "asm_fma":  # mode "fma" only (checked by the wrapper)
-            x_lo = x_ref[0, pl.ds(r0, bk)].astype(jnp.float32)
-            x_hi = x_ref[0, pl.ds(k_half + r0, bk)].astype(jnp.float32)
+            x_lo, x_hi = row_x(r0), row_x(k_half + r0)
             return _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc)
         if decode == "asm":
             w_lo, w_hi = _decode_asm(c, s_lo, s_hi, m_lo, m_hi)
@@ -284,8 +314,7 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
         else:
             w_lo, w_hi = _decode_f32(c, s_lo, s_hi, m_lo, m_hi)
         if mode in ("fma", "fma_r"):
-            x_lo = x_ref[0, pl.ds(r0, bk)].astype(jnp.float32)
-            x_hi = x_ref[0, pl.ds(k_half + r0, bk)].astype(jnp.float32)
+            x_lo, x_hi = row_x(r0), row_x(k_half + r0)
             w_lo, w_hi = w_lo.astype(jnp.float32), w_hi.astype(jnp.float32)
             p = x_lo[:, None] * w_lo + x_hi[:, None] * w_hi
             return acc + (jnp.sum(p, axis=0)[None, :] if mode == "fma_r" else p)
@@ -408,7 +437,7 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
     ),
 )
 def int4_matmul(
-    x, codes, scales, mins=None, *, group_size: int, block_m: int | None = None, block_n: int = 128,
+    x, codes, scales, mins=None, splits=None, *, group_size: int, block_m: int | None = None, block_n: int = 128,
     block_k: int = 32, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, mode: str = "dot",
     decode: str = "f32", interpret: bool = False, min_programs: int = 528, scales_mode: str = "tile",
     reduce: str = "xla", parts: bool = False,
@@ -424,7 +453,11 @@ def int4_matmul(
     reduce (split_k > 1): "xla" (float32 partials [split_k, M, N] summed by XLA) | "atomic" (float32 atomic adds
     into one zeroed [M, N] buffer, then one cast);
     parts=True: a tuple of arrays [P, M, N] whose sum over P is the product before its cast (split-K's float32
-    partials as the kernel wrote them; `quant.linear_parts`)."""
+    partials as the kernel wrote them; `quant.linear_parts`);
+    splits: x as a split decode attention's unmerged output (`lucebox_jax.attention_splits.AttentionSplits`; x is
+    then None): each program merges the splits of its x columns as it loads them."""
+    if splits is not None:
+        x = jax.ShapeDtypeStruct(splits.shape, jnp.dtype(splits.dtype))  # (its shape and dtype only)
     m, k = x.shape
     k_half, n = codes.shape
     g = group_size
@@ -454,7 +487,7 @@ def int4_matmul(
     kern = functools.partial(
         _kernel, k_half=k_half, g=g, bm=bm, bn=bn, bk=block_k, n_cols=n, tiles_per_split=tiles_per_split,
         n_tiles=n_tiles, mode=mode, decode=decode, has_mins=mins is not None, out_partial=out_partial,
-        scales_mode=scales_mode, reduce=reduce, m_rows=m,
+        scales_mode=scales_mode, reduce=reduce, m_rows=m, split=None if splits is None else _split_static(splits),
     )
     if atomic:
         out_shape = jax.ShapeDtypeStruct((m_blocks * bm, n_blocks * bn), jnp.float32)
@@ -462,7 +495,8 @@ def int4_matmul(
         out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-    args = [x, codes, scales] + ([mins] if mins is not None else [])
+    xs = [x] if splits is None else [a.reshape(m, -1) for a in (splits.o, splits.m, splits.l)]
+    args = xs + [codes, scales] + ([mins] if mins is not None else [])
     aliases = {}
     if atomic:
         aliases = {len(args): 0}
@@ -483,6 +517,12 @@ def int4_matmul(
     elif out_partial:
         out = ordered_sum(out) if reduce == "ordered" else jnp.sum(out, axis=0)
     return (out[None],) if parts else out.astype(x.dtype)
+
+
+def _split_static(splits) -> tuple:
+    """(Hkv, S, S rounded up to a power of two, G, D, dtype): the kernel's static view of `splits`."""
+    _, hkv, ns, gq, d = splits.o.shape
+    return hkv, ns, 1 << (ns - 1).bit_length(), gq, d, splits.dtype
 
 
 def int4_matmul_reference(x, codes, scales, mins=None, *, group_size: int):
@@ -507,15 +547,17 @@ def row_invariant_config(cfg: dict, n_tiles: int, n: int) -> dict:
 
 
 def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, parts: bool = False,
-                   **overrides):
+                   x_splits=None, **overrides):
     """Registry-shaped entry point: x [M, K] @ QuantArray -> [M, N] (x.dtype). row_invariant: one configuration
-    for every M (`row_invariant_config`); parts: the product as partial sums (`int4_matmul`)."""
+    for every M (`row_invariant_config`); parts: the product as partial sums (`int4_matmul`); x_splits: x as a split
+    attention's unmerged output (`int4_matmul`'s splits; x None)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    m, k = x.shape
+    m, k = x.shape if x_splits is None else x_splits.shape
     n = w.codes.shape[1]
     g = w.group_size
-    cfg = default_config(16 if row_invariant else m, k, n, g, x.dtype, on_gpu=not interpret,
+    dtype = x.dtype if x_splits is None else jnp.dtype(x_splits.dtype)
+    cfg = default_config(16 if row_invariant else m, k, n, g, dtype, on_gpu=not interpret,
                          symmetric=w.mins is None)
     cfg.update(overrides)
     if g & (g - 1) or (k // 2) % g:
@@ -524,4 +566,16 @@ def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool =
         cfg["block_k"] //= 2
     if row_invariant:
         cfg = row_invariant_config(cfg, (k // 2) // cfg["block_k"], n)
-    return int4_matmul(x, w.codes, w.scales, w.mins, group_size=g, interpret=interpret, parts=parts, **cfg)
+    if x_splits is not None:
+        # merged on the loads only where a program takes one K tile (the small weights' configuration): Triton's
+        # software pipeline stages the [rows, splits, block_k] loads in shared memory (8 rows, 8 splits: 305 KB
+        # asked of 227), so one stage, which a single tile does not miss; else the combine kernel merges them first
+        tiles = (k // 2) // cfg["block_k"]
+        if split_plan(tiles, 1, cfg.get("split_k"), cfg.get("min_programs", 528))[1] == 1:
+            cfg["num_stages"] = 1
+        else:
+            from .attention_decode import merge_splits
+
+            x, x_splits = merge_splits(x_splits, interpret=interpret), None
+    return int4_matmul(x, w.codes, w.scales, w.mins, x_splits, group_size=g, interpret=interpret, parts=parts,
+                       **cfg)

@@ -1,0 +1,136 @@
+"""A decode step's attention splits merged by the `o` matmul as it loads them (`lucebox_jax/attention_splits.py`).
+
+The int4 matmul given the splits (`x_splits`, interpret mode on the CPU; compiled in the `gpu`-marked case) is checked
+against the same matmul of the merged output; the attention kernel's `split_out` against its own merged output (the
+jnp merge and the combine kernel); whole decode steps with the splits handed over against steps that merge first
+(`LUCEBOX_SPLIT_O`), with the path counted as taken.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from lucebox_jax import model, quant
+from lucebox_jax.attention_splits import AttentionSplits
+from lucebox_jax.model import forward
+from lucebox_jax.ops import KernelSet
+from lucebox_jax.synthetic import PRESETS, random_weights
+from pallas_kernels import int4_matmul as im
+from pallas_kernels.attention_decode import attention_decode, merge_splits
+from test_ops import ragged_decode_inputs
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def _splits(b, hkv, ns, g, d, seed, dtype="bfloat16"):
+    """Random splits, the last one of every row empty (a chunk past the row's length: m = -1e30, l = 0, o = 0)."""
+    r = np.random.default_rng(seed)
+    o = r.normal(size=(b, hkv, ns, g, d)).astype(np.float32)
+    m = (r.normal(size=(b, hkv, ns, g)) * 4).astype(np.float32)
+    l = r.uniform(0.5, 3.0, size=(b, hkv, ns, g)).astype(np.float32)  # noqa: E741
+    m[:, :, -1], l[:, :, -1], o[:, :, -1] = -1e30, 0.0, 0.0
+    return AttentionSplits(jnp.asarray(o), jnp.asarray(m), jnp.asarray(l), dtype=dtype)
+
+
+# B rows, Hkv, splits (powers of two or not), G, D, N, group, mins, kernel knobs
+CASES = [
+    (1, 3, 8, 3, 64, 576, 32, True, {}),  # SmolLM2's heads at one row (the FMA path), 8 splits
+    (1, 3, 5, 3, 64, 576, 32, True, dict(mode="fma", decode="f32", split_k=9)),  # 5 splits (masked to 8)
+    (3, 3, 8, 3, 64, 200, 32, False, {}),  # three rows: the dot path, symmetric, ragged N
+    (2, 2, 3, 4, 32, 128, 64, True, dict(block_k=64)),  # a K tile spanning two heads
+    (16, 1, 16, 2, 64, 64, 32, True, {}),  # the most rows and splits `split_out` hands over
+]
+
+
+def _check(case, interpret):
+    b, hkv, ns, g, d, n, gs, mins, kw = case
+    kw = dict(dict(split_k=im.SPLIT_ALL), **kw)  # one K tile a program (the small weights' GPU configuration)
+    sp = _splits(b, hkv, ns, g, d, seed=b + ns + d)
+    w = quant.quantize_int4(jax.random.normal(jax.random.key(n), (hkv * g * d, n), jnp.float32), group_size=gs,
+                            symmetric=not mins)
+    want = im.qmatmul_pallas(sp.merged(), w, interpret=interpret, **kw)
+    got = jax.jit(lambda s: im.qmatmul_pallas(None, w, interpret=interpret, x_splits=s, **kw))(sp)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-2 * scale)
+    return got, want
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_int4_matmul_merges_splits_on_its_loads(case, monkeypatch):
+    seen, real = [], im._split_static
+    monkeypatch.setattr(im, "_split_static", lambda s: seen.append(1) or real(s))
+    got, want = _check(case, interpret=True)
+    assert seen  # the kernel merged them, not the combine kernel first
+    assert (np.asarray(got) == np.asarray(want)).mean() > 0.99  # the same merge: equal but for rare bf16 ties
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernel")
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_int4_matmul_merges_splits_on_its_loads(case):
+    _check(case, interpret=False)
+
+
+def test_splits_over_a_multi_tile_program_are_merged_first(monkeypatch):
+    """A configuration whose programs loop over K tiles gets the splits merged by the combine kernel first (its
+    pipelined loads of them would not fit): the same product, and the matmul is traced without them."""
+    sp = _splits(1, 3, 8, 3, 64, seed=7)
+    w = quant.quantize_int4(jax.random.normal(jax.random.key(1), (576, 64), jnp.float32), group_size=32)
+    seen = []
+    monkeypatch.setattr(im, "_split_static", lambda s: seen.append(1) or (_ for _ in ()).throw(AssertionError))
+    got = im.qmatmul_pallas(None, w, interpret=True, x_splits=sp, split_k=1)
+    want = im.qmatmul_pallas(merge_splits(sp, interpret=True), w, interpret=True, split_k=1)
+    assert not seen and (np.asarray(got) == np.asarray(want)).all()
+
+
+@pytest.mark.parametrize("b,s,lens", [(1, 256, [200]), (3, 96, [1, 40, 96])])
+def test_attention_split_out_is_its_merged_output(b, s, lens):
+    """`split_out` returns the kernel's splits unmerged; merged by the combine kernel they are the call's output
+    bitwise, merged in jnp within float32 rounding; one split (or a call past the limits) returns the output."""
+    hq, hkv, d = 9, 3, 64
+    ks = jax.random.split(jax.random.key(b), 3)
+    q = jax.random.normal(ks[0], (b, hq + 2 * hkv, d), jnp.bfloat16)
+    kc, vc = (jax.random.normal(k, (b, hkv, s, d), jnp.bfloat16) for k in ks[1:])
+    n = jnp.asarray(lens, jnp.int32)
+    kw = dict(scale=d ** -0.5, interpret=True, append=True, block_k=32, n_split=-(-s // 32), combine="kernel")
+    want, wk, _ = attention_decode(q, kc, vc, n, **kw)
+    sp, gk, _ = attention_decode(q, kc, vc, n, split_out=True, **kw)
+    assert isinstance(sp, AttentionSplits) and sp.o.shape == (b, hkv, -(-s // 32), hq // hkv, d)
+    assert (np.asarray(gk) == np.asarray(wk)).all()
+    flat = np.asarray(want).reshape(b, -1)
+    assert (np.asarray(merge_splits(sp, interpret=True)) == flat).all()
+    np.testing.assert_allclose(np.asarray(sp.merged(), np.float32), flat.astype(np.float32), rtol=1e-2, atol=1e-2)
+    one, _, _ = attention_decode(q, kc, vc, n, split_out=True, **dict(kw, n_split=1))
+    assert not isinstance(one, AttentionSplits)
+
+
+@pytest.mark.parametrize("start", [[70], [0, 37, 100]])  # 3-4 of the 4 splits seen
+def test_decode_step_with_splits_to_o_matches_the_step_without(start, monkeypatch):
+    """A jitted decode step with Pallas matmuls and attention: splits handed to every layer's `o` matmul give the
+    logits and caches of the step that merges them first (float32 tiny model), and the path is taken."""
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(3), group_size=32)
+    ks = KernelSet(attention_decode="pallas", qmatmul="pallas", qmatmul8="pallas")
+    taken, real, cfg_of, seen = [], model.linear, im.default_config, []
+    monkeypatch.setattr(model, "linear", lambda x, *a, **k: taken.append(isinstance(x, AttentionSplits)) or real(
+        x, *a, **k))
+    monkeypatch.setattr(im, "_split_static", lambda s, f=im._split_static: seen.append(1) or f(s))
+    # one K tile a program, as the GPU's small-weight configuration (interpret mode's default loops over K)
+    monkeypatch.setattr(im, "default_config", lambda *a, **k: dict(cfg_of(*a, **k), split_k=im.SPLIT_ALL))
+    cache, toks, s = ragged_decode_inputs(cfg, start, max_len=128)  # 4 splits of 32 keys
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(model, "SPLIT_O", on)
+        step = jax.jit(lambda c, t, st: forward(cfg, ks, w, c, t, st), donate_argnums=0)
+        outs.append(step(jax.tree.map(jnp.copy, cache), toks, s))
+    assert sum(taken) == cfg.n_layers and seen  # every layer's o matmul took the splits (with it on only), and
+    #                                                 the int4 kernel was traced with them
+    (got, got_c), (want, want_c) = outs
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
+    for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):  # (layer 1's from layer 0's rounded output)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
