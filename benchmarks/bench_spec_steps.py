@@ -107,7 +107,7 @@ def main():
     lengths = [int(x) for x in args.tokens.split(",")]
     accepted = dict(kv.split("=") for kv in args.accepted.split(",") if kv)
     env = {k: os.environ[k] for k in ("LUCEBOX_ATTN_DECODE", "LUCEBOX_TREE_ROWS", "LUCEBOX_DRAFT_VOCAB",
-                                      "LUCEBOX_TREE_WALK")
+                                      "LUCEBOX_TREE_WALK", "LUCEBOX_SPLIT_O", "LUCEBOX_GATED_DOWN")
            if k in os.environ}
     print(f"device {jax.devices()[0]}; {args.preset} random int4 weights; kernels {ks.describe()}; env {env}; "
           f"draft vocabulary {drafter.draft_vocab_size or 'whole'}; temperature {args.temperature}", flush=True)

@@ -232,14 +232,14 @@ def qmatmul8_mgpu_op(x, w, parts=False):
 # `best`: mgpu per shape where measured faster, Pallas-Triton elsewhere
 @ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster(),
               rows=padded_rows)
-def qmatmul_best_op(x, w, parts=False, x_splits=None):
-    # x_splits (a split attention's output, `quant.linear`): to Pallas-Triton where the shape stays there, merged
+def qmatmul_best_op(x, w, parts=False, x_pending=None):
+    # x_pending (a split attention's output, `quant.linear`): to Pallas-Triton where the shape stays there, merged
     # in jnp before an mgpu shape
-    if x_splits is not None:
+    if x_pending is not None:
         fallback = _pallas_or_xla("qmatmul")
-        if not _is_mgpu(w) and ops.takes(fallback, "x_splits"):
-            return fallback(None, w, parts=parts, x_splits=x_splits)
-        x = x_splits.merged()
+        if not _is_mgpu(w) and ops.takes(fallback, "x_pending"):
+            return fallback(None, w, parts=parts, x_pending=x_pending)
+        x = x_pending.merged()
     return _run(x, w, _pallas_or_xla("qmatmul"), parts)
 
 

@@ -57,16 +57,16 @@ else:
         return m > _PALLAS_MAX_M and not _interpret() and not _invariant()
 
     # parts=True: the product as a tuple of partial sums (`quant.linear_parts`; split-K's as the kernel wrote them)
-    # x_splits: x as a split decode attention's unmerged output (x None; `lucebox_jax.attention_splits`), merged by
+    # x_pending: x as a split decode attention's unmerged output (x None; `lucebox_jax.pending_inputs`), merged by
     # the kernel as it loads x
     @ops.register("qmatmul", "pallas", default_on=_on("qmatmul"))
-    def qmatmul_pallas_op(x, w, parts=False, x_splits=None):
-        m, k = x.shape if x_splits is None else x_splits.shape
+    def qmatmul_pallas_op(x, w, parts=False, x_pending=None):
+        m, k = x.shape if x_pending is None else x_pending.shape
         if not _pow2(w.group_size) or (k // 2) % w.group_size or _to_xla(m):
-            y = kernels_xla.qmatmul_xla(x if x_splits is None else x_splits.merged(), w)
+            y = kernels_xla.qmatmul_xla(x if x_pending is None else x_pending.merged(), w)
             return (y[None],) if parts else y
         return qmatmul_pallas(x, w, interpret=_interpret(), row_invariant=_invariant(), parts=parts,
-                              x_splits=x_splits)
+                              x_pending=x_pending)
 
     @ops.register("qmatmul8", "pallas", default_on=_on("qmatmul8"))
     def qmatmul8_pallas_op(x, w, parts=False):
@@ -87,7 +87,7 @@ else:
     def attention_decode_pallas_op(q, k, v, lengths, rows=None, *, scale, window=None, append=False,
                                    window_rows=0, window_anc=None, out_rows=0, prologue=None, split_out=False):
         # split_out: a decode step's splits may come back unmerged (`AttentionSplits`), for an `o` matmul that takes
-        # `x_splits`; the XLA fallbacks below return the output
+        # `x_pending`; the XLA fallbacks below return the output
         # a sliding window (Gemma's local layers) runs in the kernel for decode rows and a chain's window, not a
         # tree's nodes (their positions are their depths, not their slots: those go to XLA)
         sliding = window if SLIDING and _windowed(k, window) and window_anc is None and window_rows <= window else 0

@@ -20,6 +20,7 @@ from . import ops, quant
 from .config import ModelConfig
 from .kernels_xla import write_kv as _write_kv
 from .ops import KernelSet
+from .pending_inputs import GatedInput
 from .qkv_prologue import QKVPrologue, head_norm, rope_tables, rotate
 from .quant import linear
 
@@ -131,8 +132,13 @@ def tree_rows_limit(head_dim: int) -> int:
 
 
 # a decode step's attention splits handed to the `o` matmul unmerged where its kernel merges them on its loads
-# (`attention_splits.py`: no merge kernel a layer); LUCEBOX_SPLIT_O=0 merges them first (the A/B in benchmarks)
+# (`pending_inputs.py`: no merge kernel a layer); LUCEBOX_SPLIT_O=0 merges them first (the A/B in benchmarks)
 SPLIT_O = os.environ.get("LUCEBOX_SPLIT_O", "1") != "0"
+# ... and, in steps of up to GATED_DOWN_ROWS rows, gate+up's partial sums to the down matmul as written, which makes
+# its input (the norm's deferred scale, silu(gate) * up) on its loads: no XLA fusion between the two a layer
+# (`pending_inputs.GatedInput`); LUCEBOX_GATED_DOWN=0 makes it in XLA first (the A/B in benchmarks)
+GATED_DOWN = os.environ.get("LUCEBOX_GATED_DOWN", "1") != "0"
+GATED_DOWN_ROWS = 16
 # the residual stream kept at the matmul kernel's padded rows (ops.padded_rows; LUCEBOX_PAD_ROWS=0: the kernel pads
 # each input itself, the A/B in benchmarks)
 PAD_ROWS = os.environ.get("LUCEBOX_PAD_ROWS", "1") != "0"
@@ -219,6 +225,18 @@ def _prologue_attend(cfg, kernels, attn, lw, x, kc, vc, start, tables, scale, ex
     pro = QKVPrologue(*tables, ss, lw.q_norm, lw.k_norm, cfg.n_heads, cfg.n_kv_heads, cfg.rms_eps, x.shape[-1],
                       cfg.rope_interleaved, jnp.dtype(cfg.dtype).name)
     return attn(parts, kc, vc, start + 1, scale=scale, append=True, prologue=pro, **extra)
+
+
+def _gated_input(cfg, lw, x, kernels) -> GatedInput:
+    """The down projection's input for rows x [M, D], left for its kernel to finish: the FFN norm (its row scale
+    deferred as `normed_linear` defers it, as the sum of squares) and gate+up's partial sums as written."""
+    if one_deferred_row(x):
+        xf = x.astype(jnp.float32)
+        h, ss = rms_norm_deferred(x, lw.ffn_norm, cfg.rms_eps)[0], jnp.sum(xf * xf, axis=-1)
+    else:
+        h, ss = rms_norm(x, lw.ffn_norm, cfg.rms_eps), None
+    return GatedInput(quant.linear_parts(h, lw.w_gate_up, kernels), ss, rows=x.shape[0], ffn=cfg.ffn_dim,
+                      groups=lw.gate_up_groups, eps=cfg.rms_eps, width=x.shape[-1], dtype=jnp.dtype(cfg.dtype).name)
 
 
 def split_parts(y, groups: int, sizes: tuple[int, ...]) -> list:
@@ -336,8 +354,10 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
     append = decode and APPEND_KV and ops.accepts("attention_decode", kernels.attention_decode, "append")
     prologue = (append and QKV_PROLOGUE and not quant.ROW_INVARIANT and (b <= QKV_PROLOGUE_ROWS or cfg.qk_norm)
                 and ops.accepts("attention_decode", kernels.attention_decode, "prologue"))
-    split_o = ({"split_out": True} if append and SPLIT_O and n_rows == b * t and quant.takes_splits(lw0.wo, kernels)
+    split_o = ({"split_out": True} if append and SPLIT_O and n_rows == b * t and quant.takes_pending(lw0.wo, kernels)
                and ops.accepts("attention_decode", kernels.attention_decode, "split_out") else {})
+    gated = (GATED_DOWN and cfg.activation == "silu" and n_rows == b * t <= GATED_DOWN_ROWS
+             and quant.takes_pending(lw0.w_down, kernels))
     rope_of = {}  # a decode step's RoPE tables, once per (theta, scale)
     append_rows = (as_decode and APPEND_VERIFY and not quant.ROW_INVARIANT
                    and ops.accepts("attention_decode", kernels.attention_decode, "window_rows"))
@@ -394,10 +414,14 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
             o = linear(o.reshape(n_rows, hq * hd) if o.ndim == 3 else pad(o.reshape(b, t, hq * hd)),  # 3: out_rows
                        lw.wo, kernels=kernels)
         x = x + (o if lw.post_attn_norm is None else rms_norm(o, lw.post_attn_norm, cfg.rms_eps))
-        gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels),
-                               lw.gate_up_groups, (cfg.ffn_dim, cfg.ffn_dim))
-        act = _ACTIVATIONS[cfg.activation](gate.astype(jnp.float32))
-        o = linear((act * up.astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
+        if gated:
+            o = linear(_gated_input(cfg, lw, x.reshape(b * t, -1), kernels), lw.w_down, kernels=kernels)
+            o = o.reshape(b, t, -1)
+        else:
+            gate, up = split_parts(normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=kernels),
+                                   lw.gate_up_groups, (cfg.ffn_dim, cfg.ffn_dim))
+            act = _ACTIVATIONS[cfg.activation](gate.astype(jnp.float32))
+            o = linear((act * up.astype(jnp.float32)).astype(dt), lw.w_down, kernels=kernels)
         x = x + (o if lw.post_ffn_norm is None else rms_norm(o, lw.post_ffn_norm, cfg.rms_eps))
         if hidden_layers is not None and i in hidden_layers:
             hidden[hidden_layers.index(i)] = unpad(x)

@@ -251,15 +251,15 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     int4 weights go through the registered `qmatmul` kernel chosen by `kernels` (a `KernelSet`), int8 weights through
     `qmatmul8`, weights a kernel repacked for itself back to that kernel, dense weights through XLA, tensor-parallel
     weights (`parallel.ShardedLinear`) through this same dispatch once per shard.
-    x may be a split decode attention's unmerged output (`attention_splits.AttentionSplits`, [B, Hq * D]): a kernel
-    that takes `x_splits` merges it as it loads x (`takes_splits`), anything else gets it merged first.
+    x may be an input left unfinished (`pending_inputs`: a split decode attention's output, gate+up's partial sums):
+    a kernel that takes `x_pending` finishes it as it loads x (`takes_pending`), anything else gets it finished first.
     """
     from . import ops
 
-    if hasattr(x, "merged"):  # AttentionSplits
-        if not takes_splits(w, kernels):
+    if hasattr(x, "merged"):  # a pending input
+        if not takes_pending(w, kernels):
             return linear(x.merged(), w, bias, kernels)
-        y = ops.get("qmatmul", kernels.qmatmul)(None, w, x_splits=x)
+        y = ops.get("qmatmul", kernels.qmatmul)(None, w, x_pending=x)
         return y if bias is None else y + bias.astype(y.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
@@ -284,13 +284,13 @@ def linear(x: jax.Array, w, bias=None, kernels=None) -> jax.Array:
     return y
 
 
-def takes_splits(w, kernels) -> bool:
-    """Whether `linear` hands a split attention's output to w's kernel unmerged (an int4 weight whose `qmatmul`
-    takes `x_splits`; never in the row-invariant mode, whose merge is ordered)."""
+def takes_pending(w, kernels) -> bool:
+    """Whether `linear` hands a pending input to w's kernel unfinished (an int4 weight whose `qmatmul` takes
+    `x_pending`; never in the row-invariant mode, whose sums are ordered)."""
     from . import ops
 
     return (isinstance(w, QuantArray) and kernels is not None and not ROW_INVARIANT
-            and ops.accepts("qmatmul", kernels.qmatmul, "x_splits"))
+            and ops.accepts("qmatmul", kernels.qmatmul, "x_pending"))
 
 
 def linear_parts(x: jax.Array, w, kernels=None) -> tuple:
@@ -338,6 +338,6 @@ __all__ = [
     "concat_n",
     "linear",
     "linear_parts",
-    "takes_splits",
+    "takes_pending",
     "weight_nbytes",
 ]

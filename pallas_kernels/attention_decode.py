@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lucebox_jax.attention_splits import AttentionSplits
+from lucebox_jax.pending_inputs import AttentionSplits
 
 from .attention_window import bits_visible, merge_visible, packed_tiles, position_blocks, window_kernel
 from .int4_matmul import ordered_sum
@@ -362,7 +362,7 @@ def attention_decode(
     the kernel sums the partials, scales each row by its attention norm (rsqrt(row_sumsq / `prologue_dim` + eps),
     the model's width and eps `prologue_eps`), norms each head (same eps) and rotates it (pairs (i, i +
     D/2), or (2i, 2i + 1) with `rope_interleaved`), rounding to the caches' dtype where `QKVPrologue.apply` does.
-    split_out=True: with 1 < n_split <= SPLIT_OUT_MAX[_ONE_ROW] (B <= SPLIT_OUT_MAX_ROWS) the splits come back unmerged, as `lucebox_jax.attention_splits.AttentionSplits`
+    split_out=True: with 1 < n_split <= SPLIT_OUT_MAX[_ONE_ROW] (B <= SPLIT_OUT_MAX_ROWS) the splits come back unmerged, as `lucebox_jax.pending_inputs.AttentionSplits`
     (for an `o` matmul that merges them on its loads: no merge kernel); not with partials, row_invariant or out_rows."""
     _, hkv, seq, _ = k.shape
     pro, pro_args, out_dtype = None, [], q.dtype

@@ -210,10 +210,11 @@ def _fma_asm_step(c, x_lo, x_hi, s_lo, s_hi, m_lo, m_hi, acc):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _split_cols(o_ref, m_ref, l_ref, rows, c0, bk, m_rows, split):
+def _split_cols(refs, rows, c0, bk, m_rows, st):
     """Columns c0 .. c0 + bk of a split attention's output for `rows`, merged here (`AttentionSplits`): the refs are
     its o [B, Hkv * S * G * D], m and l [B, Hkv * S * G], float32. -> [len(rows), bk] in the output's dtype."""
-    hkv, ns, nsp, gq, d, dtype = split
+    o_ref, m_ref, l_ref = refs
+    _, hkv, ns, nsp, gq, d, dtype = st
     c = c0 + jnp.arange(bk)
     head = c // d
     s = jnp.arange(nsp)
@@ -228,16 +229,48 @@ def _split_cols(o_ref, m_ref, l_ref, rows, c0, bk, m_rows, split):
     return (jnp.sum(w * o, axis=1) / jnp.where(l_tot > 0, l_tot, 1.0)).astype(dtype)
 
 
+def _gated_cols(refs, rows, c0, bk, m_rows, st):
+    """Columns c0 .. c0 + bk of the down projection's input for `rows`, made here from gate+up's partial sums
+    (`GatedInput`, its arithmetic and roundings): the refs are each part [P * R, 2 I], then row_sumsq [R] if any."""
+    _, shapes, ffn, groups, eps, width, has_r, dtype = st
+    dt = jnp.dtype(dtype)
+    c = c0 + jnp.arange(bk)
+    blk = ffn // groups
+    gi = (c // blk) * 2 * blk + c % blk
+    ok = rows < m_rows
+    sums = []
+    for col in (gi, gi + blk):  # gate, up
+        tot = 0.0
+        for ref, (p, r_rows, pp) in zip(refs, shapes):
+            q = jnp.arange(pp)
+            mask = ok[:, None, None] & (q < p)[None, :, None]
+            v = plgpu.load(ref.at[(q[None, :] * r_rows + rows[:, None])[:, :, None], col[None, None, :]], mask=mask,
+                           other=0.0)
+            tot = tot + jnp.sum(v.astype(jnp.float32), axis=1)
+        sums.append(tot)
+    if has_r:
+        ss = plgpu.load(refs[len(shapes)].at[rows], mask=ok, other=0.0)
+        r = lax.rsqrt(ss / width + eps)[:, None]
+        sums = [(v.astype(dt).astype(jnp.float32) * r) for v in sums]
+    gate, up = (v.astype(dt).astype(jnp.float32) for v in sums)
+    return (gate / (1.0 + jnp.exp(-gate)) * up).astype(dt)
+
+
+_LOADERS = {"splits": _split_cols, "gated": _gated_cols}
+
+
 _NEG = -1e30  # a masked split's maximum (the attention kernel's)
 
 
 def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode, decode, has_mins, out_partial,
-            m_rows, scales_mode="tile", reduce="xla", split=None):
+            m_rows, scales_mode="tile", reduce="xla", pending=None):
     if reduce == "atomic" and out_partial:  # last input: the zeroed float32 output it aliases (unused here)
         refs = refs[:-2] + refs[-1:]
-    split_refs = None
-    if split is not None:  # x is a split attention's (o, m, l): merged as it loads (`_split_cols`); l's ref
-        split_refs, refs = refs[:3], refs[2:]  # stays in x's place below, never read as x
+    pend_refs = None
+    if pending is not None:  # x is unfinished (`lucebox_jax.pending_inputs`): finished as it loads (`_LOADERS`);
+        n_in = _pending_arrays(pending)  # its last array's ref stays in x's place below, never read as x
+        pend_refs, refs = refs[:n_in], refs[n_in - 1:]
+        load_pending = functools.partial(_LOADERS[pending[0]], pend_refs, m_rows=m_rows, st=pending)
     if has_mins:
         x_ref, c_ref, s_ref, m_ref, o_ref = refs
     else:
@@ -254,12 +287,12 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
     t0 = pid_k * tiles_per_split
     t1 = jnp.minimum(t0 + tiles_per_split, n_tiles)
     m0 = pid_m * bm
-    cdt = jnp.bfloat16 if decode == "asm" else jnp.dtype(split[5]) if split is not None else x_ref.dtype
+    cdt = jnp.bfloat16 if decode == "asm" else jnp.dtype(pending[-1]) if pending is not None else x_ref.dtype
     rmask, sm = row_masks(m0, bm, m_rows, cmask, ragged, sm)
 
     def load_x(c0):
-        if split_refs is not None:
-            return _split_cols(*split_refs, m0 + jnp.arange(bm), c0, bk, m_rows, split).astype(cdt)
+        if pend_refs is not None:
+            return load_pending(m0 + jnp.arange(bm), c0, bk).astype(cdt)
         if rmask is None:
             return x_ref[pl.ds(m0, bm), pl.ds(c0, bk)].astype(cdt)
         return plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(c0, bk)], mask=rmask[:, None], other=0).astype(cdt)
@@ -293,8 +326,8 @@ def _kernel(*refs, k_half, g, bm, bn, bk, n_cols, tiles_per_split, n_tiles, mode
             return lo.astype(jnp.float32), hi.astype(jnp.float32)
 
     def row_x(c0):  # the one row's x columns c0 .. c0 + bk, float32 (the FMA modes: M == 1)
-        if split_refs is not None:
-            return _split_cols(*split_refs, jnp.zeros((1,), jnp.int32), c0, bk, m_rows, split)[0].astype(jnp.float32)
+        if pend_refs is not None:
+            return load_pending(jnp.zeros((1,), jnp.int32), c0, bk)[0].astype(jnp.float32)
         return x_ref[0, pl.ds(c0, bk)].astype(jnp.float32)
 
     def body(t, acc):
@@ -437,7 +470,7 @@ def default_config(m: int, k: int, n: int, group_size: int, dtype=jnp.bfloat16, 
     ),
 )
 def int4_matmul(
-    x, codes, scales, mins=None, splits=None, *, group_size: int, block_m: int | None = None, block_n: int = 128,
+    x, codes, scales, mins=None, pending=None, *, group_size: int, block_m: int | None = None, block_n: int = 128,
     block_k: int = 32, split_k: int | None = None, num_warps: int = 4, num_stages: int = 4, mode: str = "dot",
     decode: str = "f32", interpret: bool = False, min_programs: int = 528, scales_mode: str = "tile",
     reduce: str = "xla", parts: bool = False,
@@ -454,10 +487,10 @@ def int4_matmul(
     into one zeroed [M, N] buffer, then one cast);
     parts=True: a tuple of arrays [P, M, N] whose sum over P is the product before its cast (split-K's float32
     partials as the kernel wrote them; `quant.linear_parts`);
-    splits: x as a split decode attention's unmerged output (`lucebox_jax.attention_splits.AttentionSplits`; x is
-    then None): each program merges the splits of its x columns as it loads them."""
-    if splits is not None:
-        x = jax.ShapeDtypeStruct(splits.shape, jnp.dtype(splits.dtype))  # (its shape and dtype only)
+    pending: x left unfinished (`lucebox_jax.pending_inputs`: a split decode attention's output, gate+up's partial
+    sums; x is then None): each program finishes its x columns as it loads them."""
+    if pending is not None:
+        x = jax.ShapeDtypeStruct(pending.shape, jnp.dtype(pending.dtype))  # (its shape and dtype only)
     m, k = x.shape
     k_half, n = codes.shape
     g = group_size
@@ -487,7 +520,7 @@ def int4_matmul(
     kern = functools.partial(
         _kernel, k_half=k_half, g=g, bm=bm, bn=bn, bk=block_k, n_cols=n, tiles_per_split=tiles_per_split,
         n_tiles=n_tiles, mode=mode, decode=decode, has_mins=mins is not None, out_partial=out_partial,
-        scales_mode=scales_mode, reduce=reduce, m_rows=m, split=None if splits is None else _split_static(splits),
+        scales_mode=scales_mode, reduce=reduce, m_rows=m, pending=None if pending is None else _pending_static(pending),
     )
     if atomic:
         out_shape = jax.ShapeDtypeStruct((m_blocks * bm, n_blocks * bn), jnp.float32)
@@ -495,7 +528,7 @@ def int4_matmul(
         out_shape = jax.ShapeDtypeStruct((split_k, m, n), jnp.float32)
     else:
         out_shape = jax.ShapeDtypeStruct((m, n), x.dtype)
-    xs = [x] if splits is None else [a.reshape(m, -1) for a in (splits.o, splits.m, splits.l)]
+    xs = [x] if pending is None else _pending_inputs(pending)
     args = xs + [codes, scales] + ([mins] if mins is not None else [])
     aliases = {}
     if atomic:
@@ -519,10 +552,27 @@ def int4_matmul(
     return (out[None],) if parts else out.astype(x.dtype)
 
 
-def _split_static(splits) -> tuple:
-    """(Hkv, S, S rounded up to a power of two, G, D, dtype): the kernel's static view of `splits`."""
-    _, hkv, ns, gq, d = splits.o.shape
-    return hkv, ns, 1 << (ns - 1).bit_length(), gq, d, splits.dtype
+def _pending_static(p) -> tuple:
+    """The kernel's static view of a pending input: ("splits", Hkv, S, S rounded up to a power of two, G, D, dtype)
+    or ("gated", ((P, R, P rounded up), ...) a part, I, groups, eps, width, has row_sumsq, dtype)."""
+    if p.kind == "splits":
+        _, hkv, ns, gq, d = p.o.shape
+        return "splits", hkv, ns, 1 << (ns - 1).bit_length(), gq, d, p.dtype
+    shapes = tuple((a.shape[0], a.shape[1], 1 << (a.shape[0] - 1).bit_length()) for a in p.parts)
+    return "gated", shapes, p.ffn, p.groups, float(p.eps), p.width, p.row_sumsq is not None, p.dtype
+
+
+def _pending_inputs(p) -> list:
+    """A pending input's arrays as the kernel takes them (2-D, rows first)."""
+    if p.kind == "splits":
+        b = p.o.shape[0]
+        return [a.reshape(b, -1) for a in (p.o, p.m, p.l)]
+    return [a.reshape(-1, a.shape[-1]) for a in p.parts] + ([p.row_sumsq.astype(jnp.float32)]
+                                                             if p.row_sumsq is not None else [])
+
+
+def _pending_arrays(st: tuple) -> int:
+    return 3 if st[0] == "splits" else len(st[1]) + int(st[6])
 
 
 def int4_matmul_reference(x, codes, scales, mins=None, *, group_size: int):
@@ -547,16 +597,16 @@ def row_invariant_config(cfg: dict, n_tiles: int, n: int) -> dict:
 
 
 def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool = False, parts: bool = False,
-                   x_splits=None, **overrides):
+                   x_pending=None, **overrides):
     """Registry-shaped entry point: x [M, K] @ QuantArray -> [M, N] (x.dtype). row_invariant: one configuration
-    for every M (`row_invariant_config`); parts: the product as partial sums (`int4_matmul`); x_splits: x as a split
-    attention's unmerged output (`int4_matmul`'s splits; x None)."""
+    for every M (`row_invariant_config`); parts: the product as partial sums (`int4_matmul`); x_pending: x left
+    unfinished (`int4_matmul`'s pending; x None)."""
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    m, k = x.shape if x_splits is None else x_splits.shape
+    m, k = x.shape if x_pending is None else x_pending.shape
     n = w.codes.shape[1]
     g = w.group_size
-    dtype = x.dtype if x_splits is None else jnp.dtype(x_splits.dtype)
+    dtype = x.dtype if x_pending is None else jnp.dtype(x_pending.dtype)
     cfg = default_config(16 if row_invariant else m, k, n, g, dtype, on_gpu=not interpret,
                          symmetric=w.mins is None)
     cfg.update(overrides)
@@ -566,16 +616,19 @@ def qmatmul_pallas(x, w, *, interpret: bool | None = None, row_invariant: bool =
         cfg["block_k"] //= 2
     if row_invariant:
         cfg = row_invariant_config(cfg, (k // 2) // cfg["block_k"], n)
-    if x_splits is not None:
-        # merged on the loads only where a program takes one K tile (the small weights' configuration): Triton's
+    if x_pending is not None:
+        # finished on the loads only where a program takes one K tile (the small weights' configuration): Triton's
         # software pipeline stages the [rows, splits, block_k] loads in shared memory (8 rows, 8 splits: 305 KB
-        # asked of 227), so one stage, which a single tile does not miss; else the combine kernel merges them first
+        # asked of 227), so one stage, which a single tile does not miss; else finished first (a split attention by
+        # its combine kernel, gate+up's sums in jnp: the model's own path)
         tiles = (k // 2) // cfg["block_k"]
         if split_plan(tiles, 1, cfg.get("split_k"), cfg.get("min_programs", 528))[1] == 1:
             cfg["num_stages"] = 1
-        else:
+        elif x_pending.kind == "splits":
             from .attention_decode import merge_splits
 
-            x, x_splits = merge_splits(x_splits, interpret=interpret), None
-    return int4_matmul(x, w.codes, w.scales, w.mins, x_splits, group_size=g, interpret=interpret, parts=parts,
+            x, x_pending = merge_splits(x_pending, interpret=interpret), None
+        else:
+            x, x_pending = x_pending.merged(), None
+    return int4_matmul(x, w.codes, w.scales, w.mins, x_pending, group_size=g, interpret=interpret, parts=parts,
                        **cfg)

@@ -1,9 +1,11 @@
-"""A decode step's attention splits merged by the `o` matmul as it loads them (`lucebox_jax/attention_splits.py`).
+"""Matmul inputs the int4 kernel finishes on its loads (`lucebox_jax/pending_inputs.py`): a decode step's attention
+splits before `o`, gate+up's partial sums before `down`.
 
-The int4 matmul given the splits (`x_splits`, interpret mode on the CPU; compiled in the `gpu`-marked case) is checked
-against the same matmul of the merged output; the attention kernel's `split_out` against its own merged output (the
-jnp merge and the combine kernel); whole decode steps with the splits handed over against steps that merge first
-(`LUCEBOX_SPLIT_O`), with the path counted as taken.
+The int4 matmul given them (`x_pending`, interpret mode on the CPU; compiled in the `gpu`-marked cases) is checked
+against the same matmul of their `merged()` arrays; `merged()` against the model's own arithmetic (the combine kernel
+for splits, `normed_linear` + silu for the gated input); the attention kernel's `split_out` against its own output;
+whole decode steps and a short forward with both handed over against the same with neither (`LUCEBOX_SPLIT_O`,
+`LUCEBOX_GATED_DOWN`), with both paths counted as taken.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from lucebox_jax import model, quant
-from lucebox_jax.attention_splits import AttentionSplits
+from lucebox_jax.pending_inputs import AttentionSplits, GatedInput
 from lucebox_jax.model import forward
 from lucebox_jax.ops import KernelSet
 from lucebox_jax.synthetic import PRESETS, random_weights
@@ -53,7 +55,7 @@ def _check(case, interpret):
     w = quant.quantize_int4(jax.random.normal(jax.random.key(n), (hkv * g * d, n), jnp.float32), group_size=gs,
                             symmetric=not mins)
     want = im.qmatmul_pallas(sp.merged(), w, interpret=interpret, **kw)
-    got = jax.jit(lambda s: im.qmatmul_pallas(None, w, interpret=interpret, x_splits=s, **kw))(sp)
+    got = jax.jit(lambda s: im.qmatmul_pallas(None, w, interpret=interpret, x_pending=s, **kw))(sp)
     assert got.shape == want.shape and got.dtype == want.dtype
     scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-2 * scale)
@@ -62,8 +64,8 @@ def _check(case, interpret):
 
 @pytest.mark.parametrize("case", CASES)
 def test_int4_matmul_merges_splits_on_its_loads(case, monkeypatch):
-    seen, real = [], im._split_static
-    monkeypatch.setattr(im, "_split_static", lambda s: seen.append(1) or real(s))
+    seen, real = [], im._pending_static
+    monkeypatch.setattr(im, "_pending_static", lambda s: seen.append(1) or real(s))
     got, want = _check(case, interpret=True)
     assert seen  # the kernel merged them, not the combine kernel first
     assert (np.asarray(got) == np.asarray(want)).mean() > 0.99  # the same merge: equal but for rare bf16 ties
@@ -82,8 +84,8 @@ def test_splits_over_a_multi_tile_program_are_merged_first(monkeypatch):
     sp = _splits(1, 3, 8, 3, 64, seed=7)
     w = quant.quantize_int4(jax.random.normal(jax.random.key(1), (576, 64), jnp.float32), group_size=32)
     seen = []
-    monkeypatch.setattr(im, "_split_static", lambda s: seen.append(1) or (_ for _ in ()).throw(AssertionError))
-    got = im.qmatmul_pallas(None, w, interpret=True, x_splits=sp, split_k=1)
+    monkeypatch.setattr(im, "_pending_static", lambda s: seen.append(1) or (_ for _ in ()).throw(AssertionError))
+    got = im.qmatmul_pallas(None, w, interpret=True, x_pending=sp, split_k=1)
     want = im.qmatmul_pallas(merge_splits(sp, interpret=True), w, interpret=True, split_k=1)
     assert not seen and (np.asarray(got) == np.asarray(want)).all()
 
@@ -109,27 +111,93 @@ def test_attention_split_out_is_its_merged_output(b, s, lens):
     assert not isinstance(one, AttentionSplits)
 
 
+def _gated(rows, parts, deferred, groups, ffn, seed, dtype="bfloat16"):
+    """A random GatedInput: parts of (P, R) shapes (the last in the dtype: a kernel's product as one part)."""
+    ks = jax.random.split(jax.random.key(seed), len(parts) + 1)
+    arrs = tuple(jax.random.normal(k, (p, r, 2 * ffn), jnp.float32) * (0.5 if i < len(parts) - 1 else 1.0)
+                 for i, (k, (p, r)) in enumerate(zip(ks, parts)))
+    arrs = arrs[:-1] + (arrs[-1].astype(dtype),) if len(arrs) > 1 else arrs
+    ss = jax.random.uniform(ks[-1], (parts[0][1],), jnp.float32, 20.0, 200.0) if deferred else None
+    return GatedInput(arrs, ss, rows=rows, ffn=ffn, groups=groups, eps=1e-5, width=96, dtype=dtype)
+
+
+# rows, parts (P, R), deferred norm scale, groups, I, N, kernel knobs
+GATED = [
+    (1, ((9, 1),), True, 1, 128, 64, {}),  # one row, deferred scale: the FMA path
+    (3, ((9, 16), (1, 16)), False, 1, 128, 96, {}),  # three rows, split-K sums + a product part
+    (2, ((4, 2),), True, 2, 128, 64, dict(block_k=64)),  # gate/up in two blocks, a K tile over both halves
+    (16, ((9, 16),), False, 1, 64, 64, {}),  # the most rows the model hands over
+]
+
+
+def _check_gated(case, interpret):
+    rows, parts, deferred, groups, ffn, n, kw = case
+    gin = _gated(rows, parts, deferred, groups, ffn, seed=rows + ffn)
+    kw = dict(dict(split_k=im.SPLIT_ALL), **kw)
+    w = quant.quantize_int4(jax.random.normal(jax.random.key(n), (ffn, n), jnp.float32), group_size=32)
+    want = im.qmatmul_pallas(gin.merged(), w, interpret=interpret, **kw)
+    got = jax.jit(lambda g: im.qmatmul_pallas(None, w, interpret=interpret, x_pending=g, **kw))(gin)
+    assert got.shape == want.shape == (rows, n) and got.dtype == want.dtype
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-2 * scale)
+    return got, want
+
+
+@pytest.mark.parametrize("case", GATED)
+def test_int4_matmul_makes_the_gated_input_on_its_loads(case, monkeypatch):
+    seen, real = [], im._pending_static
+    monkeypatch.setattr(im, "_pending_static", lambda p: seen.append(p.kind) or real(p))
+    got, want = _check_gated(case, interpret=True)
+    assert seen == ["gated"]
+    assert (np.asarray(got) == np.asarray(want)).mean() > 0.97  # the same arithmetic: rare bf16 ties apart
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="compiled Triton kernel")
+@pytest.mark.parametrize("case", GATED)
+def test_compiled_int4_matmul_makes_the_gated_input_on_its_loads(case):
+    _check_gated(case, interpret=False)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_gated_input_is_the_models_own_ffn_input(rows):
+    """`merged()` of the model's GatedInput (`model._gated_input`) is the input `forward` gives the down matmul:
+    `normed_linear` (its deferred scale at one row), gate and up split, silu(gate) * up, in bf16."""
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(4), group_size=32)
+    lw = w.layers[0]
+    ks = KernelSet(qmatmul="pallas")
+    x = jax.random.normal(jax.random.key(5), (rows, cfg.dim), jnp.float32)
+    gate, up = model.split_parts(model.normed_linear(x, lw.ffn_norm, cfg.rms_eps, lw.w_gate_up, kernels=ks),
+                                 lw.gate_up_groups, (cfg.ffn_dim, cfg.ffn_dim))
+    want = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
+    got = model._gated_input(cfg, lw, x, ks).merged()
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("start", [[70], [0, 37, 100]])  # 3-4 of the 4 splits seen
-def test_decode_step_with_splits_to_o_matches_the_step_without(start, monkeypatch):
-    """A jitted decode step with Pallas matmuls and attention: splits handed to every layer's `o` matmul give the
-    logits and caches of the step that merges them first (float32 tiny model), and the path is taken."""
+def test_decode_step_with_pending_inputs_matches_the_step_without(start, monkeypatch):
+    """A jitted decode step with Pallas matmuls and attention: splits handed to every layer's `o` matmul and gate+up's
+    sums to its `down` give the logits and caches of the step that finishes both first (float32 tiny model), and
+    both paths are taken."""
     cfg = PRESETS["tiny"]
     w = random_weights(cfg, jax.random.key(3), group_size=32)
     ks = KernelSet(attention_decode="pallas", qmatmul="pallas", qmatmul8="pallas")
     taken, real, cfg_of, seen = [], model.linear, im.default_config, []
-    monkeypatch.setattr(model, "linear", lambda x, *a, **k: taken.append(isinstance(x, AttentionSplits)) or real(
+    monkeypatch.setattr(model, "linear", lambda x, *a, **k: taken.append(getattr(x, "kind", None)) or real(
         x, *a, **k))
-    monkeypatch.setattr(im, "_split_static", lambda s, f=im._split_static: seen.append(1) or f(s))
+    monkeypatch.setattr(im, "_pending_static", lambda p, f=im._pending_static: seen.append(p.kind) or f(p))
     # one K tile a program, as the GPU's small-weight configuration (interpret mode's default loops over K)
     monkeypatch.setattr(im, "default_config", lambda *a, **k: dict(cfg_of(*a, **k), split_k=im.SPLIT_ALL))
     cache, toks, s = ragged_decode_inputs(cfg, start, max_len=128)  # 4 splits of 32 keys
     outs = []
     for on in (True, False):
         monkeypatch.setattr(model, "SPLIT_O", on)
+        monkeypatch.setattr(model, "GATED_DOWN", on)
         step = jax.jit(lambda c, t, st: forward(cfg, ks, w, c, t, st), donate_argnums=0)
         outs.append(step(jax.tree.map(jnp.copy, cache), toks, s))
-    assert sum(taken) == cfg.n_layers and seen  # every layer's o matmul took the splits (with it on only), and
-    #                                                 the int4 kernel was traced with them
+    # every layer's o and down matmuls took them (with the knobs on only), and the int4 kernel was traced with them
+    assert taken.count("splits") == taken.count("gated") == cfg.n_layers and len(seen) == 2
     (got, got_c), (want, want_c) = outs
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):  # (layer 1's from layer 0's rounded output)
