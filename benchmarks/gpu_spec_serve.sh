@@ -87,8 +87,9 @@ if [ -n "${DECODE_ENV_AB:-}" ]; then
     env ${DEC_SETS[$i]} OUT="$OUT/decode_ab$i" timeout 200 python3 benchmarks/bench_decode.py --models smollm2-135m \
       --xla-batches '' ${DECODE_AB_ARGS:---batches 1,8 --ctx 256 --reps 3} > "$OUT/decode_ab$i.log" 2>&1
     echo "${DEC_SETS[$i]}:"; grep -E "^smollm2" "$OUT/decode_ab$i.log" | tail -4
-    env ${DEC_SETS[$i]} timeout 120 python3 run.py --model "$M" --prompt "Explain in three sentences why the sky is blue." \
-      --max-tokens 96 --temperature 0 --token-ids --output-format json > "$OUT/greedy_ab$i.json" 2> "$OUT/greedy_ab$i.err"
+    env ${DEC_SETS[$i]} timeout 120 python3 run.py --model "$M" --max-tokens 96 --temperature 0 --token-ids \
+      --prompt "Explain in three sentences why the sky is blue." --output-format json > "$OUT/greedy_ab$i.json" \
+      2> "$OUT/greedy_ab$i.err"
   done
   python3 - "$OUT" "${#DEC_SETS[@]}" <<'PY'
 import json, sys

@@ -36,7 +36,9 @@ OPS = ("qmatmul", "qmatmul8", "attention_prefill", "attention_decode", "attentio
 
 OP_SIGNATURES = {
     "qmatmul": "fn(x [M, K], w: QuantArray [K, N]) -> [M, N] (x.dtype); optional parts=True: a tuple of arrays "
-               "[P, R >= M, N] whose sum over every P is the product (split-K partials as written; quant.linear_parts)",
+               "[P, R >= M, N] whose sum over every P is the product (split-K partials as written; "
+               "quant.linear_parts); optional x_pending=: x is None and this (pending_inputs.AttentionSplits or GatedInput, .shape [M, K]) "
+               "is the input, to be finished on the kernel's loads or by its merged()",
     "qmatmul8": "fn(x [M, K], w: Int8Array [K, N]) -> [M, N] (x.dtype); int8 weights, e.g. a Q8_0 LM head; optional "
                 "parts=True as qmatmul's",
     "attention_prefill": (
@@ -55,7 +57,8 @@ OP_SIGNATURES = {
         "token trees: row t sees the window keys j where window_anc[row, j], not 0..t); optional out_rows=R with "
         "append: the output padded with zero rows to R rows; optional prologue=QKVPrologue with append in a decode "
         "step: q is then the qkv matmul's partial sums (a tuple, quant.linear_parts) that the kernel sums, norms and "
-        "rotates itself (lucebox_jax/qkv_prologue.py)"
+        "rotates itself (lucebox_jax/qkv_prologue.py); optional split_out=True in a decode step: the splits may "
+        "come back unmerged (pending_inputs.AttentionSplits) for an o matmul that takes x_pending"
     ),
     "attention_tree": (
         "fn(q [B, T, Hq, D], k [B, Hkv, S, D], v [B, Hkv, S, D], n_visible [B] int32, k_win [B, T2, Hkv, D], "

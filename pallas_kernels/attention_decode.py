@@ -362,8 +362,9 @@ def attention_decode(
     the kernel sums the partials, scales each row by its attention norm (rsqrt(row_sumsq / `prologue_dim` + eps),
     the model's width and eps `prologue_eps`), norms each head (same eps) and rotates it (pairs (i, i +
     D/2), or (2i, 2i + 1) with `rope_interleaved`), rounding to the caches' dtype where `QKVPrologue.apply` does.
-    split_out=True: with 1 < n_split <= SPLIT_OUT_MAX[_ONE_ROW] (B <= SPLIT_OUT_MAX_ROWS) the splits come back unmerged, as `lucebox_jax.pending_inputs.AttentionSplits`
-    (for an `o` matmul that merges them on its loads: no merge kernel); not with partials, row_invariant or out_rows."""
+    split_out=True: with 1 < n_split <= SPLIT_OUT_MAX[_ONE_ROW] (B <= SPLIT_OUT_MAX_ROWS) the splits come back
+    unmerged, as `lucebox_jax.pending_inputs.AttentionSplits` (for an `o` matmul that merges them on its loads: no
+    merge kernel); not with partials, row_invariant or out_rows."""
     _, hkv, seq, _ = k.shape
     pro, pro_args, out_dtype = None, [], q.dtype
     if prologue is not None:
