@@ -179,3 +179,27 @@ def test_attention_prefill_lowers(b, t, hq, hkv, s, d):
     txt = lower_cuda(lambda q, k, v, st: attention_prefill_pallas(q, k, v, st, scale=d ** -0.5, interpret=False),
                      *args)
     assert "xla.gpu.triton" in txt
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("kind", ["splits", "gated"])
+def test_int4_matmul_finishing_a_pending_input_lowers(kind, m, monkeypatch):
+    """The int4 matmul finishing its input on its loads (`lucebox_jax/pending_inputs.py`) at the embedded model's `o`
+    and `down` shapes, in the GPU's small-weight configuration: one Triton kernel, nothing finished before it."""
+    from lucebox_jax.pending_inputs import AttentionSplits, GatedInput
+    from pallas_kernels import int4_matmul as im
+
+    seen, real = [], im._pending_static
+    monkeypatch.setattr(im, "_pending_static", lambda p: seen.append(p.kind) or real(p))
+
+    if kind == "splits":
+        ns = 64 if m == 1 else 16
+        pend = AttentionSplits(SDS((m, 3, ns, 3, 64), jnp.float32), SDS((m, 3, ns, 3), jnp.float32),
+                               SDS((m, 3, ns, 3), jnp.float32))
+        w = _quant(576, 576, 32, False)
+    else:
+        pend = GatedInput((SDS((9, m, 3072), jnp.float32),), SDS((m,), jnp.float32) if m == 1 else None, rows=m,
+                          ffn=1536, width=576)
+        w = _quant(1536, 576, 32, False)
+    txt = lower_cuda(lambda p, w: qmatmul_pallas(None, w, interpret=False, x_pending=p), pend, w)
+    assert txt.count("xla.gpu.triton") == 1 and seen == [kind]
