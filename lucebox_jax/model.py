@@ -132,12 +132,13 @@ def tree_rows_limit(head_dim: int) -> int:
 
 
 # a decode step's attention splits handed to the `o` matmul unmerged where its kernel merges them on its loads
-# (`pending_inputs.py`: no merge kernel a layer); LUCEBOX_SPLIT_O=0 merges them first (the A/B in benchmarks)
-SPLIT_O = os.environ.get("LUCEBOX_SPLIT_O", "1") != "0"
+# (`pending_inputs.py`: no merge kernel a layer). Off by default until a GPU has timed it and run its compiled tests
+# (tested in interpret mode and compiled for an H200 without one): LUCEBOX_SPLIT_O=1 turns it on
+SPLIT_O = os.environ.get("LUCEBOX_SPLIT_O", "0") == "1"
 # ... and, in steps of up to GATED_DOWN_ROWS rows, gate+up's partial sums to the down matmul as written, which makes
 # its input (the norm's deferred scale, silu(gate) * up) on its loads: no XLA fusion between the two a layer
-# (`pending_inputs.GatedInput`); LUCEBOX_GATED_DOWN=0 makes it in XLA first (the A/B in benchmarks)
-GATED_DOWN = os.environ.get("LUCEBOX_GATED_DOWN", "1") != "0"
+# (`pending_inputs.GatedInput`); off by default as SPLIT_O is: LUCEBOX_GATED_DOWN=1 turns it on
+GATED_DOWN = os.environ.get("LUCEBOX_GATED_DOWN", "0") == "1"
 GATED_DOWN_ROWS = 16
 # the residual stream kept at the matmul kernel's padded rows (ops.padded_rows; LUCEBOX_PAD_ROWS=0: the kernel pads
 # each input itself, the A/B in benchmarks)

@@ -4,8 +4,8 @@ splits before `o`, gate+up's partial sums before `down`.
 The int4 matmul given them (`x_pending`, interpret mode on the CPU; compiled in the `gpu`-marked cases) is checked
 against the same matmul of their `merged()` arrays; `merged()` against the model's own arithmetic (the combine kernel
 for splits, `normed_linear` + silu for the gated input); the attention kernel's `split_out` against its own output;
-whole decode steps and a short forward with both handed over against the same with neither (`LUCEBOX_SPLIT_O`,
-`LUCEBOX_GATED_DOWN`), with both paths counted as taken.
+whole decode steps (both handed over) and a short forward (the gated input) against the same without
+(`LUCEBOX_SPLIT_O`, `LUCEBOX_GATED_DOWN`), with both paths counted as taken.
 """
 
 from __future__ import annotations
@@ -202,3 +202,24 @@ def test_decode_step_with_pending_inputs_matches_the_step_without(start, monkeyp
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5 * float(jnp.abs(want).max()))
     for a, c in zip(got_c.k + got_c.v, want_c.k + want_c.v):  # (layer 1's from layer 0's rounded output)
         np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+
+
+def test_short_forward_with_the_gated_input_matches_the_forward_without(monkeypatch):
+    """A forward of 2 rows x 5 positions (a short prefill; verify windows take the same `down` path) with gate+up's
+    sums handed to `down` gives the logits of the forward that makes silu(gate) * up first, and takes the path."""
+    cfg = PRESETS["tiny"]
+    w = random_weights(cfg, jax.random.key(6), group_size=32)
+    ks = KernelSet(qmatmul="pallas", qmatmul8="pallas")
+    cfg_of, kinds, real = im.default_config, [], model.linear
+    monkeypatch.setattr(im, "default_config", lambda *a, **k: dict(cfg_of(*a, **k), split_k=im.SPLIT_ALL))
+    monkeypatch.setattr(model, "linear", lambda x, *a, **k: kinds.append(getattr(x, "kind", None)) or real(
+        x, *a, **k))
+    cache, _, _ = ragged_decode_inputs(cfg, [0, 0], max_len=32)
+    toks = (jnp.arange(10).reshape(2, 5) * 11 + 1) % cfg.vocab_size
+    outs = []
+    for on in (True, False):
+        monkeypatch.setattr(model, "GATED_DOWN", on)
+        outs.append(forward(cfg, ks, w, jax.tree.map(jnp.copy, cache), toks, jnp.zeros((2,), jnp.int32))[0])
+    assert kinds.count("gated") == cfg.n_layers
+    np.testing.assert_allclose(np.asarray(outs[0]), np.asarray(outs[1]), rtol=0,
+                               atol=1e-5 * float(jnp.abs(outs[1]).max()))
