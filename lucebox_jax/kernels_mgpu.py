@@ -233,8 +233,8 @@ def qmatmul8_mgpu_op(x, w, parts=False):
 @ops.register("qmatmul", "best", prepare=prepare_best, usable=hopper_reason, default_on=_any_measured_faster(),
               rows=padded_rows)
 def qmatmul_best_op(x, w, parts=False, x_pending=None):
-    # x_pending (a split attention's output, `quant.linear`): to Pallas-Triton where the shape stays there, merged
-    # in jnp before an mgpu shape
+    # x_pending (an unfinished input, `quant.linear`): to Pallas-Triton where the shape stays there, finished in jnp
+    # before an mgpu shape (the model hands none to an mgpu weight: `quant.takes_pending`)
     if x_pending is not None:
         fallback = _pallas_or_xla("qmatmul")
         if not _is_mgpu(w) and ops.takes(fallback, "x_pending"):

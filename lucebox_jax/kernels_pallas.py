@@ -57,8 +57,8 @@ else:
         return m > _PALLAS_MAX_M and not _interpret() and not _invariant()
 
     # parts=True: the product as a tuple of partial sums (`quant.linear_parts`; split-K's as the kernel wrote them)
-    # x_pending: x as a split decode attention's unmerged output (x None; `lucebox_jax.pending_inputs`), merged by
-    # the kernel as it loads x
+    # x_pending: x left unfinished (x None; `lucebox_jax.pending_inputs`: attention splits, gate+up's partial sums),
+    # finished by the kernel as it loads x
     @ops.register("qmatmul", "pallas", default_on=_on("qmatmul"))
     def qmatmul_pallas_op(x, w, parts=False, x_pending=None):
         m, k = x.shape if x_pending is None else x_pending.shape

@@ -409,7 +409,7 @@ def forward(cfg: ModelConfig, kernels: KernelSet, w: Weights, cache: KVCache, to
                             tree_as_decode, tree_extra)
         new_k.append(kc)
         new_v.append(vc)
-        if split_o and decode:  # the kernel's splits unmerged (`AttentionSplits`), or its output at one split
+        if split_o:  # a decode step: the kernel's splits unmerged (`AttentionSplits`), or its output at one split
             o = linear(o if hasattr(o, "merged") else o.reshape(b, hq * hd), lw.wo, kernels=kernels)[:, None]
         else:
             o = linear(o.reshape(n_rows, hq * hd) if o.ndim == 3 else pad(o.reshape(b, t, hq * hd)),  # 3: out_rows

@@ -54,9 +54,14 @@ def _check(case, interpret):
     sp = _splits(b, hkv, ns, g, d, seed=b + ns + d)
     w = quant.quantize_int4(jax.random.normal(jax.random.key(n), (hkv * g * d, n), jnp.float32), group_size=gs,
                             symmetric=not mins)
-    want = im.qmatmul_pallas(sp.merged(), w, interpret=interpret, **kw)
-    got = jax.jit(lambda s: im.qmatmul_pallas(None, w, interpret=interpret, x_pending=s, **kw))(sp)
-    assert got.shape == want.shape and got.dtype == want.dtype
+    return _against_finished(sp, w, interpret, kw)
+
+
+def _against_finished(pend, w, interpret, kw):
+    """The int4 matmul finishing `pend` on its loads against the same matmul of `pend.merged()`: (got, want)."""
+    want = im.qmatmul_pallas(pend.merged(), w, interpret=interpret, **kw)
+    got = jax.jit(lambda p: im.qmatmul_pallas(None, w, interpret=interpret, x_pending=p, **kw))(pend)
+    assert got.shape == want.shape == (pend.shape[0], w.shape[1]) and got.dtype == want.dtype
     scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-2 * scale)
     return got, want
@@ -65,9 +70,9 @@ def _check(case, interpret):
 @pytest.mark.parametrize("case", CASES)
 def test_int4_matmul_merges_splits_on_its_loads(case, monkeypatch):
     seen, real = [], im._pending_static
-    monkeypatch.setattr(im, "_pending_static", lambda s: seen.append(1) or real(s))
+    monkeypatch.setattr(im, "_pending_static", lambda p: seen.append(p.kind) or real(p))
     got, want = _check(case, interpret=True)
-    assert seen  # the kernel merged them, not the combine kernel first
+    assert seen == ["splits"]  # the kernel merged them, not the combine kernel first
     assert (np.asarray(got) == np.asarray(want)).mean() > 0.99  # the same merge: equal but for rare bf16 ties
 
 
@@ -135,12 +140,7 @@ def _check_gated(case, interpret):
     gin = _gated(rows, parts, deferred, groups, ffn, seed=rows + ffn)
     kw = dict(dict(split_k=im.SPLIT_ALL), **kw)
     w = quant.quantize_int4(jax.random.normal(jax.random.key(n), (ffn, n), jnp.float32), group_size=32)
-    want = im.qmatmul_pallas(gin.merged(), w, interpret=interpret, **kw)
-    got = jax.jit(lambda g: im.qmatmul_pallas(None, w, interpret=interpret, x_pending=g, **kw))(gin)
-    assert got.shape == want.shape == (rows, n) and got.dtype == want.dtype
-    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=0, atol=1e-2 * scale)
-    return got, want
+    return _against_finished(gin, w, interpret, kw)
 
 
 @pytest.mark.parametrize("case", GATED)
