@@ -78,20 +78,17 @@ if [ -n "${SPEC_ENV_AB:-}" ]; then
     echo "${ENV_SETS[$i]}:"; grep -E "accepted .*speedup|a prompt:" "$OUT/spec_env$i.log" | tail -8
   done
 fi
-if [ -n "${DECODE_ENV_AB:-}" ]; then
-  # plain decoding (bench_decode.py, the embedded model's shapes, random weights; DECODE_AB_ARGS) under each
-  # ';'-separated set of environment assignments, one process each, e.g. DECODE_ENV_AB='LUCEBOX_SPLIT_O=1;
-  # LUCEBOX_SPLIT_O=0;LUCEBOX_SPLIT_O=1'; then greedy tokens of the real GGUF under each (equal or not)
-  IFS=';' read -ra DEC_SETS <<< "${DECODE_ENV_AB}"
-  for i in "${!DEC_SETS[@]}"; do
-    env ${DEC_SETS[$i]} OUT="$OUT/decode_ab$i" timeout 200 python3 benchmarks/bench_decode.py --models smollm2-135m \
-      --xla-batches '' ${DECODE_AB_ARGS:---batches 1,8 --ctx 256 --reps 3} > "$OUT/decode_ab$i.log" 2>&1
-    echo "${DEC_SETS[$i]}:"; grep -E "^smollm2" "$OUT/decode_ab$i.log" | tail -4
-    env ${DEC_SETS[$i]} timeout 120 python3 run.py --model "$M" --max-tokens 96 --temperature 0 --token-ids \
+if [ -n "${GREEDY_ENV_AB:-}" ]; then
+  # the real GGUF's greedy tokens under each ';'-separated set of environment assignments, one process each (equal or
+  # not), e.g. GREEDY_ENV_AB='LUCEBOX_SPLIT_O=1 LUCEBOX_GATED_DOWN=1;LUCEBOX_SPLIT_O=0 LUCEBOX_GATED_DOWN=0'; their
+  # speed on random weights needs no GGUF: benchmarks/gpu_env_ab.sh
+  IFS=';' read -ra GREEDY_SETS <<< "${GREEDY_ENV_AB}"
+  for i in "${!GREEDY_SETS[@]}"; do
+    env ${GREEDY_SETS[$i]} timeout 120 python3 run.py --model "$M" --max-tokens 96 --temperature 0 --token-ids \
       --prompt "Explain in three sentences why the sky is blue." --output-format json > "$OUT/greedy_ab$i.json" \
       2> "$OUT/greedy_ab$i.err"
   done
-  python3 - "$OUT" "${#DEC_SETS[@]}" <<'PY'
+  python3 - "$OUT" "${#GREEDY_SETS[@]}" <<'PY'
 import json, sys
 runs = [json.load(open(f"{sys.argv[1]}/greedy_ab{i}.json"))["token_ids"] for i in range(int(sys.argv[2]))]
 print("greedy tokens equal under every set:", all(r == runs[0] for r in runs), [len(r) for r in runs])
@@ -142,5 +139,5 @@ print("greedy mgpu == xla" if a == b else f"greedy mgpu != xla: first difference
 PY
 fi
 # the device returns at most a few files: logs and the head go back in one archive
-(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.err *.json serve_ab* decode_ab* "$(basename "$HEAD")" \
+(cd "$OUT" && tar czf logs.tgz --exclude=logs.tgz *.log *.err *.json serve_ab* "$(basename "$HEAD")" \
   2>/dev/null; ls)

@@ -27,6 +27,13 @@ import jax.numpy as jnp
 from flax import struct
 
 
+def gate_up_columns(c, ffn: int, groups: int):
+    """gate+up's gate and up columns of down-input column(s) c (`model.split_parts`' layout of `groups` blocks)."""
+    blk = ffn // groups
+    g = (c // blk) * 2 * blk + c % blk
+    return g, g + blk
+
+
 @struct.dataclass
 class AttentionSplits:
     o: jax.Array
@@ -67,12 +74,6 @@ class GatedInput:
     def shape(self) -> tuple[int, int]:
         return self.rows, self.ffn
 
-    def gate_up_columns(self, c):
-        """The product's gate and up column of down-input column(s) c."""
-        blk = self.ffn // self.groups
-        g = (c // blk) * 2 * blk + c % blk
-        return g, g + blk
-
     def merged(self) -> jax.Array:
         """The down projection's input [rows, I] (plain jnp; `model.forward`'s arithmetic)."""
         dt = jnp.dtype(self.dtype)
@@ -80,6 +81,6 @@ class GatedInput:
         if self.row_sumsq is not None:
             r = jax.lax.rsqrt(self.row_sumsq[: self.rows, None] / self.width + self.eps)
             y = (y.astype(jnp.float32) * r).astype(dt)
-        gi, ui = self.gate_up_columns(jnp.arange(self.ffn))
+        gi, ui = gate_up_columns(jnp.arange(self.ffn), self.ffn, self.groups)
         act = jax.nn.silu(y[:, gi].astype(jnp.float32))
         return (act * y[:, ui].astype(jnp.float32)).astype(dt)

@@ -261,7 +261,7 @@ ROW_SPLITS_MAX_SEQ = 256
 # split_out hands at most this many splits (64 for one row) of at most this many rows to the `o` matmul unmerged: its
 # programs load [16 rows, splits, block_k] of them (one row: [1, ...]), which compile for an H200 up to 16 splits
 # (AOT; the matmul's software pipeline off, `qmatmul_pallas`)
-SPLIT_OUT_MAX = int(os.environ.get("LUCEBOX_SPLIT_OUT_MAX", "16"))
+SPLIT_OUT_MAX = 16
 SPLIT_OUT_MAX_ONE_ROW = 64
 SPLIT_OUT_MAX_ROWS = 16
 

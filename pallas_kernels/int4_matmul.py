@@ -48,6 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lucebox_jax.pending_inputs import gate_up_columns
+
 __all__ = ["int4_matmul", "int4_matmul_reference", "default_config", "tuned_config", "qmatmul_pallas",
            "split_plan", "row_masks", "ordered_sum", "row_invariant_config"]
 
@@ -234,12 +236,9 @@ def _gated_cols(refs, rows, c0, bk, m_rows, st):
     (`GatedInput`, its arithmetic and roundings): the refs are each part [P * R, 2 I], then row_sumsq [R] if any."""
     _, shapes, ffn, groups, eps, width, has_r, dtype = st
     dt = jnp.dtype(dtype)
-    c = c0 + jnp.arange(bk)
-    blk = ffn // groups
-    gi = (c // blk) * 2 * blk + c % blk
     ok = rows < m_rows
     sums = []
-    for col in (gi, gi + blk):  # gate, up
+    for col in gate_up_columns(c0 + jnp.arange(bk), ffn, groups):  # gate, up
         tot = 0.0
         for ref, (p, r_rows, pp) in zip(refs, shapes):
             q = jnp.arange(pp)
