@@ -11,7 +11,11 @@ A. Embedded SmolLM2-135M-Instruct (or --model): for each drafter (eagle = the mo
    temperature 0.7: mean accepted drafts per step, tokens per target step, and wall-clock speedup over plain decoding
    (each speculative pass is timed right after a plain pass of the same prompts; speedup = median of the per-pair
    ratios, which keeps a noisy shared machine from biasing one side). Compile time is excluded. Sampled rows run
-   --sampled-reps pairs (default 8), each with seeds of its own: one seed set's acceptance is mostly luck.
+   --sampled-reps pairs (default 8), each with seeds of its own: one seed set's acceptance is mostly luck. The
+   timed pairs run as `generate` does, with no wait between a prompt's phases; one more pair waits after the
+   first token and after the head's start, for the per-phase times (prefill, head start, ms a step) and its own
+   speedup (`speedup_waiting_between_phases`: the waits expose the next program's launch, which the speculative
+   pass has one more of; until 2026-12-08 every pair waited so).
 B. (GPU, or --synthetic) Llama-3-8B-shaped random int4 weights: time of one verify over K + 1 tokens (target forward
    + acceptance) relative to one decode step, K = 1, 2, 4, 8, 16, and of a tree of 32 nodes (--syn-trees), at
    context 1024, batch 1; and the cost of one
@@ -87,12 +91,15 @@ def bench_embedded(args):
     ks = [int(k) for k in args.ks.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
 
-    llm.time_phases = True  # one wait after the first token (and after the head's start): phases told apart
-
     def one_pass(temp, phases=None, rep=0):
         """Each prompt alone (batch 1); -> (seconds, tokens, spec stats per prompt). phases: a dict that collects
-        the seconds of each phase and the loop's steps, summed over the prompts. rep: sampled rows draw with seeds
-        of their own a repetition (plain and speculative passes of one pair alike)."""
+        the seconds of each phase and the loop's steps, summed over the prompts; the pass then waits after the first
+        token and after the head's start to tell them apart (waits a plain `generate` never makes: the timed pairs
+        run without them). rep: sampled rows draw with seeds of their own a repetition (plain and speculative
+        passes of one pair alike)."""
+        llm.time_phases = phases is not None
+        if llm.spec is not None:
+            llm.spec.time_phases = phases is not None
         secs, toks, stats = 0.0, 0, []
         for i, p in enumerate(prompts):
             sp = SamplingParams(temperature=temp, max_tokens=args.max_tokens, ignore_eos=True,
@@ -146,17 +153,20 @@ def bench_embedded(args):
             one_pass(temp)  # compile
             compile_s = llm.engine.compile_seconds - c0
             ratios, base_tps, spec_tps, all_stats = [], [], [], []
-            spec.time_phases = True
-            ph_plain, ph_spec = {}, {}
             for rep in range(args.reps if temp == 0 else args.sampled_reps):
                 llm.spec = None
-                bs, bt, _ = one_pass(temp, ph_plain, rep)
+                bs, bt, _ = one_pass(temp, rep=rep)
                 llm.spec = spec
-                ss, st, stats = one_pass(temp, ph_spec, rep)
+                ss, st, stats = one_pass(temp, rep=rep)
                 ratios.append(bs / ss)
                 base_tps.append(bt / bs)
                 spec_tps.append(st / ss)
                 all_stats += stats
+            ph_plain, ph_spec = {}, {}  # one more pair (the first seed set's), waiting between phases
+            llm.spec = None
+            bs, _, _ = one_pass(temp, ph_plain)
+            llm.spec = spec
+            ss, _, _ = one_pass(temp, ph_spec)
             hist = np.sum([s["acceptance_histogram"] for s in all_stats], axis=0)
             steps = int(hist.sum())
             mean_acc = float(np.dot(np.arange(len(hist)), hist) / max(steps, 1))
@@ -168,7 +178,8 @@ def bench_embedded(args):
                    "spec_tok_s": round(statistics.median(spec_tps), 2),
                    "speedup": round(statistics.median(ratios), 3), "speedup_pairs": [round(r, 3) for r in ratios],
                    "compile_s": round(compile_s, 1),
-                   "phases_plain": phase_ms(ph_plain), "phases_spec": phase_ms(ph_spec)}
+                   "phases_plain": phase_ms(ph_plain), "phases_spec": phase_ms(ph_spec),
+                   "speedup_waiting_between_phases": round(bs / ss, 3)}
             RESULTS["embedded"].append(row)
             save()
             log(f"{row['drafter']:>24} K={k} T={temp}: accepted {mean_acc:.2f}/step, {row['spec_tok_s']} vs "
@@ -176,7 +187,8 @@ def bench_embedded(args):
             pp, ps = row["phases_plain"], row["phases_spec"]
             log(f"{'':>24} a prompt: prefill {pp['prefill_ms']} / {ps['prefill_ms']} ms, head start "
                 f"{ps['init_ms']} ms; loop {pp['loop_ms_per_step']} ms a plain step, {ps['loop_ms_per_step']} ms a "
-                f"speculative step ({ps['loop_ms_per_step'] / max(pp['loop_ms_per_step'], 1e-9):.2f} plain steps)")
+                f"speculative step ({ps['loop_ms_per_step'] / max(pp['loop_ms_per_step'], 1e-9):.2f} plain steps); "
+                f"x{row['speedup_waiting_between_phases']} in that pair")
             if args.profile:
                 profile_one(llm, prompts[0], temp, args.max_tokens, spec, row)
                 save()
