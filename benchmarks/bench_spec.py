@@ -14,8 +14,8 @@ A. Embedded SmolLM2-135M-Instruct (or --model): for each drafter (eagle = the mo
    --sampled-reps pairs (default 8), each with seeds of its own: one seed set's acceptance is mostly luck. The
    timed pairs run as `generate` does, with no wait between a prompt's phases; one more pair waits after the
    first token and after the head's start, for the per-phase times (prefill, head start, ms a step) and its own
-   speedup (`speedup_waiting_between_phases`: the waits expose the next program's launch, which the speculative
-   pass has one more of; from 2026-12-05 to 2026-12-08 every pair waited so).
+   speedup (`speedup_waiting_between_phases`; by inference the waits expose the next program's launch, which the
+   speculative pass has one more of; from 2026-12-05 to 2026-12-08 every pair waited so).
 B. (GPU, or --synthetic) Llama-3-8B-shaped random int4 weights: time of one verify over K + 1 tokens (target forward
    + acceptance) relative to one decode step, K = 1, 2, 4, 8, 16, and of a tree of 32 nodes (--syn-trees), at
    context 1024, batch 1; and the cost of one
