@@ -15,7 +15,9 @@ Configurations, on the embedded model (or --model), each compiled with the shape
 (the body of `generate_loop`); `chain` one speculative step with the shipped EAGLE head, K = --k (the body of
 `spec_chunk`); `tree` the same with a tree of --tree nodes; `slots` / `spec-slots` one step of a batch job's decode
 call at --slots rows, plain / speculating (`scheduler.decode_chunk`, `spec_batch.spec_decode_chunk`); `insert` an
-admission's insert of its prefilled rows (up to 8) into --slots slots (`scheduler.insert_rows`).
+admission's insert of its prefilled rows (up to 8) into --slots slots (`scheduler.insert_rows`); `prefill` a prompt's
+start program (`engine.start_step`: a new cache, the prefill, the seen mask, the first token), `spec-prefill` the
+same returning the head's feature layers.
 `--synthetic llama3-8b` instead counts one `decode_step` of random weights at those shapes (never made: shapes only).
 Output: per configuration, kernels by kind and by call path, and $OUT/kernel_count.json;
 `--compare BEFORE.json AFTER.json` prints what a change added or removed.
@@ -268,14 +270,14 @@ def compile_config(name: str, args, cpu_llm, gpu_engine, dev) -> str:
         rows = prompt * (1 if name == "decode" else args.batch)
         a, kw = capture(engine, "generate_loop", lambda: cpu_llm.generate(rows, greedy))
         return compile_for(dev, engine.generate_loop, (cfg, ks), (w, *a[3:]), **kw)
-    if name in ("prefill", "spec-prefill"):  # one prompt's prefill (with the head's feature layers: spec-prefill)
+    if name in ("prefill", "spec-prefill"):  # one prompt's start program (with the head's feature layers: spec-)
         if name == "spec-prefill":
             cpu_llm.spec = SpeculativeDecoder.create(cpu_llm.engine, "eagle", args.k, tokenizer=cpu_llm.tokenizer)
-        try:
-            a, kw = capture(engine, "prefill_step", lambda: cpu_llm.generate(prompt, greedy))
+        try:  # (start_step is called on every generate; prefill_step only traced inside it, once)
+            a, kw = capture(engine, "start_step", lambda: cpu_llm.generate(prompt, greedy))
         finally:
             cpu_llm.spec = None
-        return compile_for(dev, engine.prefill_step, (cfg, ks), (w, *a[3:]), **kw)
+        return compile_for(dev, engine.start_step, (cfg, ks), (w, a[3], a[4]), max_len=a[5], **kw)
     if name in ("chain", "tree"):
         tree = args.tree if name == "tree" else None
         cpu_llm.spec = SpeculativeDecoder.create(cpu_llm.engine, "eagle", args.k, tokenizer=cpu_llm.tokenizer,
